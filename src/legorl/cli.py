@@ -1,0 +1,128 @@
+"""legorl's command line: train, report, doctor (and more as the parts grow)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from legorl.config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RL for LLM coding agents inside the harnesses people already use.")
+console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def train(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config, e.g. configs/smoke.yaml")],
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="where the store, logs and checkpoints go")],
+) -> None:
+    """Run RL steps. Extra arguments are dotted overrides: trainer.lr=1e-5 run.steps=3."""
+    try:
+        cfg = load_config(config, list(ctx.args))
+    except ConfigError as e:
+        _fail(str(e))
+    from legorl.pipeline import run_training
+
+    console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
+    asyncio.run(run_training(cfg, run_dir))
+    console.print(f"done. report: legorl report {run_dir} --json")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory written by `legorl train`")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Summarise a run: steps, outcomes, calls, token fidelity, the last step's metrics."""
+    from legorl.store import Store
+
+    db = run_dir / "store.sqlite"
+    if not db.is_file():
+        _fail(f"{run_dir} has no store.sqlite: is it a run directory written by `legorl train`?")
+    decode = None
+    if (run_dir / "tokenizer").is_dir():
+        from legorl.models import load_tokenizer
+
+        tok = load_tokenizer(run_dir / "tokenizer")
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    summary = Store(db, readonly=True).report(decode=decode)
+    if as_json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    t = Table(title=f"legorl run {run_dir}")
+    t.add_column("what")
+    t.add_column("value")
+    for k, v in summary.items():
+        t.add_row(k, json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v))
+    Console().print(t)
+
+
+def _check(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    return p.returncode == 0, (p.stderr or p.stdout).strip()[-200:]
+
+
+@app.command()
+def doctor() -> None:
+    """Check this machine can run legorl, and say how to fix what is missing."""
+    rows: list[tuple[str, bool, str, bool]] = []  # name, ok, detail/fix, required
+    bwrap = shutil.which("bwrap")
+    rows.append(("bubblewrap", bwrap is not None, bwrap or "apt-get install -y bubblewrap", True))
+    if bwrap:
+        ok, out = _check([bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+                          "--dev", "/dev", "true"])
+        rows.append(("user/pid/net namespaces", ok, "ok" if ok else
+                     f"{out} (enable unprivileged user namespaces: sysctl kernel.unprivileged_userns_clone=1)",
+                     True))
+    ok, out = _check([sys.executable, "-c", "import minisweagent.agents.default"])
+    rows.append(("mini-swe-agent", ok, "importable" if ok else f"pip install mini-swe-agent ({out})", True))
+    try:
+        import torch
+
+        rows.append(("torch", True, torch.__version__, True))
+        gpu = torch.cuda.is_available()
+        rows.append(("GPU", gpu, torch.cuda.get_device_name(0) if gpu else "none: the CPU path is used", False))
+    except ImportError:
+        rows.append(("torch", False, "pip install torch==2.13.0", True))
+    for mod in ("transformers", "tokenizers", "fastapi", "uvicorn"):
+        found = importlib.util.find_spec(mod) is not None
+        rows.append((mod, found, "importable" if found else f"pip install {mod}", True))
+    git = shutil.which("git")
+    rows.append(("git", git is not None, git or "apt-get install -y git", True))
+    t = Table(title="legorl doctor")
+    for col in ("check", "status", "detail / fix"):
+        t.add_column(col)
+    for name, ok, detail, required in rows:
+        status = "[green]ok" if ok else ("[red]missing" if required else "[yellow]absent")
+        t.add_row(name, status, detail)
+    Console().print(t)
+    if not all(ok for _, ok, _, required in rows if required):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Typed configuration: YAML files in configs/ plus dotted command-line overrides.
+
+    legorl train --config configs/smoke.yaml trainer.lr=1e-5 rollout.group_size=4
+
+Every section forbids unknown keys, so a typo fails fast with one line that
+names the key and what was expected (see `ConfigError`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(Exception):
+    """A bad config: the message is one line naming the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = None  # a local HF model directory; None builds the embedded tiny model
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+class SamplingConfig(_Section):
+    """The run's sampling parameters; they override what the harness asks for."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, gt=0)
+
+
+class EngineConfig(_Section):
+    kind: Literal["local", "scripted"] = "local"
+    max_batch: int = Field(8, gt=0)
+    torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+
+
+class ProxyConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0 = pick a free port
+    served_model_name: str = "legorl-policy"
+
+
+class SandboxConfig(_Section):
+    kind: Literal["bwrap"] = "bwrap"
+    command_timeout: float = Field(20.0, gt=0)
+    relay_port: int = Field(18000, gt=0, le=65535)
+
+
+class HarnessConfig(_Section):
+    name: Literal["mini-swe-agent"] = "mini-swe-agent"
+    step_limit: int = Field(6, gt=0)
+    system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
+    instance_template: str | None = None
+    max_consecutive_format_errors: int = Field(2, ge=0)
+    workers: int = Field(1, gt=0)  # long-lived harness worker processes
+
+
+class TasksConfig(_Section):
+    source: Literal["builtin", "jsonl"] = "builtin"
+    path: str | None = None  # JSONL file when source == jsonl
+    families: list[str] | None = None  # built-in families; None = all
+    n_train: int = Field(16, gt=0)
+    n_heldout: int = Field(8, ge=0)
+    seed: int = 0
+
+
+class RolloutConfig(_Section):
+    tasks_per_step: int = Field(2, gt=0)
+    group_size: int = Field(2, gt=0)
+    concurrency: int = Field(4, gt=0)  # rollouts in flight at once
+    agent_timeout: float = Field(120.0, gt=0)
+    grading_timeout: float = Field(60.0, gt=0)
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-4, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    tis_cap: float | None = 2.0
+    advantage: Literal["grpo", "rloo", "drgrpo"] = "grpo"
+    normalize_std: bool = False
+    micro_batch_tokens: int = Field(4096, gt=0)
+
+
+class RunConfig(_Section):
+    name: str = "legorl"
+    seed: int = 0
+    steps: int = Field(2, ge=0)
+    cache_dir: str = "~/.cache/legorl"
+    checkpoint_every: int = Field(1, ge=0)
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    proxy: ProxyConfig = ProxyConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    harness: HarnessConfig = HarnessConfig()
+    tasks: TasksConfig = TasksConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML so `1e-5`, `true`, `[a, b]` and `null` work."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{where}' (check the spelling; see docs/configuration.md)"
+    expected = first["msg"]
+    got = first.get("input")
+    return f"{source}: bad value for '{where}': {expected} (got {got!r})"
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config and apply `a.b=c` overrides; raise ConfigError with one clear line."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (run:, model:, ...)")
+        data = loaded
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        key, _, raw = item.partition("=")
+        _set_dotted(data, key.strip(), _parse_value(raw))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, source if not overrides else f"{source} + overrides")) from None

@@ -1,0 +1,39 @@
+"""What the orchestrator asks of a harness, whatever the harness is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class HarnessRun:
+    rollout_id: str
+    task_text: str  # the problem statement as the agent sees it
+    api_base: str  # OpenAI-style base URL of this rollout's proxy session
+    api_key: str  # the session token
+    model_name: str
+    control_socket: str  # the sandbox's command socket (host path)
+
+
+@dataclass
+class HarnessResult:
+    exit_status: str  # the harness's own word: Submitted, LimitsExceeded, an exception name...
+    n_calls: int
+    error: str = ""
+    traceback: str = ""
+    messages: list[dict] = field(default_factory=list)
+
+
+class HarnessCrashed(Exception):
+    """The harness process died; the rollout is an agent_crash."""
+
+
+class Harness(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def run(self, run: HarnessRun) -> HarnessResult: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,72 @@
+"""The ChatML chat template of the built-in tokenizer (Qwen2.5-style tools).
+
+Rendering, per message (every tag trims whitespace; all text comes from explicit strings, so the
+template renders the same under any Jinja whitespace settings):
+
+- ``system``/``user``/other roles: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
+- with ``tools``: the first turn is a system turn holding the system message (or a default) followed
+  by the tool JSON schemas inside ``<tools></tools>`` and the tool-call instructions.
+- ``assistant``: ``<|im_start|>assistant\\n{content}`` then one block per tool call, each preceded by
+  ``\\n`` unless it is the first block of a message without content, then ``<|im_end|>\\n``. A block
+  is ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``; ARGS is the string verbatim
+  when the arguments arrive as a (JSON) string, else ``json.dumps(args, ensure_ascii=False)``.
+- ``tool``: each tool message is its own user turn:
+  ``<|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n``.
+  (Qwen merges consecutive tool results into one turn; one turn each keeps the prefix property at
+  every message boundary, not only after assistant turns.)
+- ``add_generation_prompt``: ``<|im_start|>assistant\\n``.
+
+Content may be a string, None, or a list of ``{"type": "text", "text": ...}`` parts (texts joined).
+Nothing rendered for a message depends on later messages, so a prefix of the messages renders to a
+prefix of the text: the token bridge in the proxy relies on it.
+"""
+
+TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call>'
+)
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+CHAT_TEMPLATE = (
+    "{%- macro text_of(content) -%}"
+    "{%- if content is none -%}"
+    "{%- elif content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- text_of(messages[0].content) -}}"
+    "{%- else -%}{{- " + repr(DEFAULT_SYSTEM) + " -}}{%- endif -%}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- " + repr(TOOLS_POSTAMBLE) + " -}}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and tools and message.role == 'system' -%}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}{{- text_of(message.content) -}}"
+    "{%- for call in (message.tool_calls or []) -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- if message.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' -}}{{- fn.name | tojson -}}{{- ', \"arguments\": ' -}}"
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' -}}{{- text_of(message.content) -}}"
+    "{{- '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}{{- text_of(message.content) -}}{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)

@@ -1,0 +1,238 @@
+"""The training loop: rollouts of a group of tasks -> advantages -> token-exact sequences -> trainer -> engine.
+
+One driver process hosts everything (DESIGN.md, "Process model"): the proxy on
+loopback TCP and a Unix socket, the engine in a worker thread, the harness
+workers, the store writer and the trainer, which runs between rollout phases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from legorl.config import Config
+from legorl.engine import LocalEngine, ScriptedEngine
+from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+from legorl.models import ModelSpec, load_or_build, save_model
+from legorl.proxy.server import Proxy, SamplingOverride
+from legorl.records import Outcome, Rollout, TrainingSequence
+from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.sandbox import reap_orphans
+from legorl.store import Store
+from legorl.tasks import Task, builtin_splits, load_jsonl
+from legorl.train import Trainer, build_sequences, group_advantages, merge_stats
+
+console = Console(stderr=True)
+
+
+def model_spec(cfg: Config) -> ModelSpec:
+    m = cfg.model
+    return ModelSpec(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                     num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
+                     max_position_embeddings=m.max_position_embeddings, seed=m.seed, vocab_size=m.vocab_size)
+
+
+def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """(train, heldout) tasks from the configured source."""
+    t = cfg.tasks
+    if t.source == "jsonl":
+        if not t.path:
+            raise ValueError("tasks.source is jsonl but tasks.path is not set")
+        tasks = load_jsonl(t.path)
+        train = [x for x in tasks if x.split != "heldout"]
+        return train, [x for x in tasks if x.split == "heldout"]
+    return builtin_splits(t.n_train, t.n_heldout, t.seed, families=t.families)
+
+
+@dataclass
+class StepResult:
+    step: int
+    rollouts: list[Rollout]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Driver:
+    """Owns the long-lived parts of a run and runs its steps."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir.resolve()
+        self.cache_dir = Path(cfg.run.cache_dir).expanduser()
+        self.label = f"legorl-{self.run_dir.name}"
+        self._sock_dir = Path(tempfile.mkdtemp(prefix="legorl-"))  # short path: sun_path is 108 bytes
+
+    async def __aenter__(self) -> Driver:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        await reap_orphans(self.run_dir / "sandboxes")  # leftovers of a killed earlier run
+        if cfg.engine.torch_threads:
+            torch.set_num_threads(cfg.engine.torch_threads)
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.store = Store(self.run_dir / "store.sqlite")
+        self.store.add_run(cfg.run.name, cfg.model_dump())
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+
+        policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
+                                                         self.cache_dir)
+        self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
+        if cfg.engine.kind == "scripted":
+            self.engine = ScriptedEngine(self.tokenizer)
+        else:
+            engine_model, _ = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
+                                                      self.cache_dir)
+            self.engine = LocalEngine(engine_model, self.tokenizer, max_batch=cfg.engine.max_batch)
+        t = cfg.trainer
+        self.trainer = Trainer(policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                               temperature=cfg.sampling.temperature or 1.0, clip_low=t.clip_low,
+                               clip_high=t.clip_high, tis_cap=t.tis_cap, micro_batch_tokens=t.micro_batch_tokens,
+                               pad_id=self.tokenizer.pad_token_id or 0)
+        s = cfg.sampling
+        self.proxy = Proxy(self.engine, self.tokenizer, model_name=cfg.proxy.served_model_name,
+                           sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens),
+                           on_call=self.store.add_call)
+        await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
+        self.harness = MiniSweAgentHarness(cfg.harness, command_timeout=cfg.sandbox.command_timeout,
+                                           log_dir=self.run_dir / "logs")
+        await self.harness.start()
+        self.train_tasks, self.heldout_tasks = load_tasks(cfg)
+        hide = [self.run_dir, self.cache_dir]
+        if cfg.tasks.path:
+            hide.append(Path(cfg.tasks.path).resolve().parent)
+        self.ctx = EpisodeContext(proxy=self.proxy, harness=self.harness, store=self.store, run_dir=self.run_dir,
+                                  label=self.label, agent_timeout=cfg.rollout.agent_timeout,
+                                  grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for closer in (self.harness.close, self.proxy.stop, self.engine.close):
+            try:
+                await closer()
+            except Exception as e:  # keep closing the rest
+                console.print(f"[yellow]while shutting down: {type(e).__name__}: {e}")
+        await reap_orphans(self.run_dir / "sandboxes")
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def tasks_for_step(self, step: int) -> list[Task]:
+        rng = random.Random(self.cfg.run.seed * 100_003 + step)
+        k = min(self.cfg.rollout.tasks_per_step, len(self.train_tasks))
+        return rng.sample(self.train_tasks, k)
+
+    async def rollouts(self, tasks: list[Task], step: int, samples: int, split: str) -> list[Rollout]:
+        sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
+        jobs = [(task, i) for task in tasks for i in range(samples)]
+        progress = Progress(TextColumn(f"step {step} {split} rollouts"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+
+        async def one(task: Task, i: int) -> Rollout:
+            async with sem:
+                r = await run_episode(self.ctx, task, step=step, group_id=f"{step}:{task.instance_id}",
+                                      sample_index=i, split=split)
+            progress.advance(bar)
+            return r
+
+        with progress:
+            bar = progress.add_task("rollouts", total=len(jobs))
+            # return_exceptions: one rollout's bug must never abort the step
+            results = await asyncio.gather(*(one(t, i) for t, i in jobs), return_exceptions=True)
+        done = []
+        for (task, i), r in zip(jobs, results):
+            if isinstance(r, BaseException):
+                console.print(f"[red]rollout of {task.instance_id}#{i} raised {type(r).__name__}: {r}")
+                continue
+            done.append(r)
+        return done
+
+    def sequences(self, rollouts: list[Rollout]) -> tuple[list[TrainingSequence], dict[str, float]]:
+        groups: dict[str, list[Rollout]] = {}
+        for r in rollouts:
+            groups.setdefault(r.group_id, []).append(r)
+        seqs: list[TrainingSequence] = []
+        all_calls = []
+        for members in groups.values():
+            advs = group_advantages([r.reward for r in members], method=self.cfg.trainer.advantage,
+                                    normalize_std=self.cfg.trainer.normalize_std)
+            for r, adv in zip(members, advs):
+                if adv is None:  # masked: leaves the loss and the baseline
+                    continue
+                seqs.extend(build_sequences(r.id, r.calls, adv))
+                all_calls.extend(r.calls)
+        stats = merge_stats(all_calls, seqs) if seqs else {}
+        return seqs, {f"seq/{k}": float(v) for k, v in stats.items()}
+
+    async def step(self, step: int) -> StepResult:
+        t0 = time.time()
+        rollouts = await self.rollouts(self.tasks_for_step(step), step, self.cfg.rollout.group_size, "train")
+        t_roll = time.time() - t0
+        seqs, seq_metrics = self.sequences(rollouts)
+        t1 = time.time()
+        train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
+        t_train = time.time() - t1
+        t2 = time.time()
+        async with self.proxy.paused():  # no call straddles the update
+            version = await self.engine.update_weights(self.trainer.state_dict_for_engine())
+        t_sync = time.time() - t2
+        metrics = rollout_metrics(rollouts)
+        metrics.update(seq_metrics)
+        metrics.update(train_metrics)
+        metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
+                        "time/step_s": time.time() - t0, "weight_version": float(version)})
+        self.store.add_step(step, metrics)
+        if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
+            await asyncio.to_thread(self.save_checkpoint, step)
+        return StepResult(step, rollouts, metrics)
+
+    def save_checkpoint(self, step: int) -> Path:
+        path = self.run_dir / "checkpoints" / f"step-{step:05d}"
+        self.trainer.save(path)
+        save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
+        return path
+
+    async def train(self) -> list[StepResult]:
+        results = []
+        for step in range(self.cfg.run.steps):
+            r = await self.step(step)
+            console.print(step_line(r))
+            results.append(r)
+        return results
+
+
+def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    counts = Counter(r.outcome.value for r in rollouts if r.outcome is not None)
+    trained = [r.reward for r in rollouts if r.reward is not None]
+    m: dict[str, float] = {f"outcomes/{o.value}": float(counts.get(o.value, 0)) for o in Outcome}
+    m["rollouts/count"] = float(len(rollouts))
+    m["rollouts/trained"] = float(len(trained))
+    m["reward/mean"] = sum(trained) / len(trained) if trained else 0.0
+    m["pass_rate"] = counts.get("resolved", 0) / len(rollouts) if rollouts else 0.0
+    turns = [len(r.calls) for r in rollouts]
+    m["rollouts/turns_mean"] = sum(turns) / len(turns) if turns else 0.0
+    lens = [len(c.completion_ids) for r in rollouts for c in r.calls]
+    m["rollouts/completion_tokens_mean"] = sum(lens) / len(lens) if lens else 0.0
+    return m
+
+
+def step_line(r: StepResult) -> str:
+    m = r.metrics
+    outcomes = ", ".join(f"{k.split('/')[1]}={int(v)}" for k, v in m.items() if k.startswith("outcomes/") and v)
+    return (f"step {r.step}: reward {m.get('reward/mean', 0):.2f}  pass {m.get('pass_rate', 0):.2f}  "
+            f"[{outcomes}]  loss {m.get('train/loss', float('nan')):.4f}  "
+            f"pearson {m.get('train/logprob_pearson', float('nan')):.3f}  {m.get('time/step_s', 0):.0f}s")
+
+
+async def run_training(cfg: Config, run_dir: Path) -> list[StepResult]:
+    async with Driver(cfg, run_dir) as driver:
+        return await driver.train()

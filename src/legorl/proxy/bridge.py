@@ -1,0 +1,165 @@
+"""The token bridge: build each prompt from exact earlier tokens, never re-tokenized text.
+
+When a request continues an earlier call of the same session (its messages are
+that call's messages + the assistant reply the proxy returned + new turns), the
+prompt is
+
+    parent.prompt_ids + parent.completion_ids + encode(template text after that reply)
+
+so the tokens the model sampled stay exactly as sampled. When the harness
+rewrote, truncated or condensed its history, no earlier call matches: the prompt
+is rendered afresh and the call starts a new segment, with the reason recorded.
+`naive_differs` says whether plain re-rendering would have produced different
+tokens than the bridge (the drift the bridge prevented).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from legorl.records import ToolCall
+
+
+def content_text(content: Any) -> str:
+    """Message content as text: a string, None, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def _args_value(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def normalize_message(msg: dict[str, Any]) -> tuple:
+    """A comparable key for a message: what matters for the model's view of it."""
+    calls = tuple(
+        (c.get("function", {}).get("name"), json.dumps(_args_value(c.get("function", {}).get("arguments")),
+                                                       sort_keys=True))
+        for c in (msg.get("tool_calls") or [])
+    )
+    return (msg.get("role"), content_text(msg.get("content")), calls, msg.get("tool_call_id") or None)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages in the shape the chat template expects (text content, parsed arguments)."""
+    out = []
+    for m in messages:
+        t: dict[str, Any] = {"role": m.get("role"), "content": content_text(m.get("content"))}
+        if m.get("tool_calls"):
+            t["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c.get("function", {}).get("name"),
+                        "arguments": _args_value(c.get("function", {}).get("arguments")),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        if m.get("tool_call_id"):
+            t["tool_call_id"] = m["tool_call_id"]
+        if m.get("name"):
+            t["name"] = m["name"]
+        out.append(t)
+    return out
+
+
+def reply_message(content: str | None, tool_calls: list[ToolCall]) -> dict[str, Any]:
+    """The assistant message the proxy returns, in OpenAI shape (also used for matching)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in tool_calls
+        ]
+    return msg
+
+
+@dataclass
+class PastCall:
+    """What a session remembers of one call, to bridge the next one."""
+
+    index: int
+    messages: list[tuple]  # normalised request messages
+    tools_key: str
+    reply: tuple  # normalised assistant reply
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+@dataclass
+class BridgeResult:
+    prompt_ids: list[int]
+    parent_index: int | None
+    segment_break: str | None
+    naive_differs: bool
+    naive_ids: list[int] = field(default_factory=list)
+
+
+class TokenBridge:
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def tools_key(tools: list[dict] | None) -> str:
+        return json.dumps(tools or [], sort_keys=True)
+
+    def build(self, messages: list[dict], tools: list[dict] | None, history: list[PastCall]) -> BridgeResult:
+        full = self.render(messages, tools, generation_prompt=True)
+        naive_ids = self.encode(full)
+        if not history:
+            return BridgeResult(naive_ids, None, None, False, naive_ids)
+        norm = [normalize_message(m) for m in messages]
+        tkey = self.tools_key(tools)
+        reason = "history rewritten: the messages do not extend any earlier call of this session"
+        for past in reversed(history):
+            k = len(past.messages)
+            if len(norm) <= k + 1 or norm[:k] != past.messages or norm[k] != past.reply:
+                continue
+            if past.tools_key != tkey:
+                reason = "tool definitions changed"
+                break
+            ids = self._bridge(messages, tools, k + 1, past, full)
+            if ids is None:
+                reason = "chat template is not prefix-stable for this history"
+                break
+            return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids)
+        return BridgeResult(naive_ids, None, reason, False, naive_ids)
+
+    def _bridge(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
+                full: str) -> list[int] | None:
+        """Tokens of `full` with the first k messages replaced by the parent's exact tokens."""
+        upto_reply = self.render(messages[:k], tools, generation_prompt=False)
+        if not full.startswith(upto_reply):
+            return None
+        # What the template puts after the assistant's end-of-turn token (e.g. "\n").
+        end = upto_reply.rfind(self.eos_text)
+        if end < 0:
+            return None
+        after_eos = upto_reply[end + len(self.eos_text):]
+        eos_id = self.tok.convert_tokens_to_ids(self.eos_text)
+        closing = "" if past.completion_ids and past.completion_ids[-1] == eos_id else self.eos_text
+        tail = closing + after_eos + full[len(upto_reply):]
+        return past.prompt_ids + past.completion_ids + self.encode(tail)

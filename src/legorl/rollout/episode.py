@@ -1,0 +1,111 @@
+"""One rollout, end to end: sandbox, harness through the proxy, diff, grade, outcome.
+
+Every step that can fail is caught here and turned into a typed outcome, so one
+broken rollout never takes its step down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legorl.grading import grade, workspace_diff
+from legorl.harness.base import Harness, HarnessCrashed, HarnessRun
+from legorl.proxy.server import Proxy
+from legorl.records import Outcome, Rollout
+from legorl.rollout.outcomes import EpisodeFacts, decide, reward_for
+from legorl.sandbox import BwrapSandbox
+from legorl.store import Store
+from legorl.tasks import Task, prepare_repo
+
+
+@dataclass
+class EpisodeContext:
+    """The long-lived parts a rollout uses (owned by the driver)."""
+
+    proxy: Proxy
+    harness: Harness
+    store: Store
+    run_dir: Path
+    label: str  # the run's label on every sandbox, for reaping
+    agent_timeout: float
+    grading_timeout: float
+    hide_paths: list[Path] = field(default_factory=list)  # invisible inside sandboxes (run dir, task files)
+    keep_workspaces: bool = False
+
+
+def new_rollout_id(step: int, task_id: str, sample: int) -> str:
+    return f"s{step}-{task_id}-{sample}-{uuid.uuid4().hex[:6]}"
+
+
+async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: str, sample_index: int,
+                      split: str = "train") -> Rollout:
+    rid = new_rollout_id(step, task.instance_id, sample_index)
+    rollout = Rollout(id=rid, step=step, task_id=task.instance_id, group_id=group_id, sample_index=sample_index,
+                      harness=ctx.harness.name, split=split,
+                      weight_version_start=ctx.proxy.engine.weight_version)
+    ctx.store.upsert_rollout(rollout)
+    box_dir = ctx.run_dir / "sandboxes" / rid
+    facts = EpisodeFacts(harness=None)
+    t0 = time.time()
+    sandbox: BwrapSandbox | None = None
+    try:
+        await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
+        sandbox = await BwrapSandbox.create(
+            workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
+            proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths)
+    except Exception as e:
+        facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
+    rollout.timings["setup_s"] = time.time() - t0
+
+    if sandbox is not None:
+        t1 = time.time()
+        session = ctx.proxy.open_session(rid)
+        run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
+                         api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
+                         model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket))
+        try:
+            facts.harness = await asyncio.wait_for(ctx.harness.run(run), timeout=ctx.agent_timeout)
+        except TimeoutError:
+            facts.timed_out = True
+        except HarnessCrashed as e:
+            facts.crashed = str(e)
+        except Exception as e:
+            facts.crashed = f"{type(e).__name__}: {e}"
+        finally:
+            # Closing the session first makes any late call of a timed-out agent fail fast.
+            ctx.proxy.close_session(session.token)
+        facts.proxy_errors = tuple(session.errors)
+        facts.proxy_calls = session.n_calls
+        rollout.timings["agent_s"] = time.time() - t1
+        try:
+            rollout.diff = await workspace_diff(sandbox)
+        except Exception as e:
+            facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
+        await sandbox.close()
+
+    calls = ctx.store.calls_for(rid)
+    report = None
+    if not facts.sandbox_error and facts.harness is not None and facts.proxy_calls > 0:
+        t2 = time.time()
+        report = await grade(task, rollout.diff, work_dir=box_dir / "grade", timeout=ctx.grading_timeout,
+                             hide_paths=ctx.hide_paths)
+        rollout.timings["grading_s"] = time.time() - t2
+    rollout.report = report
+    outcome, reason = decide(facts, calls, report)
+    rollout.outcome, rollout.outcome_reason = outcome, reason
+    rollout.reward = reward_for(outcome)
+    rollout.calls = calls
+    rollout.weight_version_end = ctx.proxy.engine.weight_version
+    rollout.timings["total_s"] = time.time() - t0
+    ctx.store.upsert_rollout(rollout)
+    if not ctx.keep_workspaces:
+        shutil.rmtree(box_dir, ignore_errors=True)
+    return rollout
+
+
+__all__ = ["EpisodeContext", "Outcome", "run_episode"]

@@ -1,0 +1,49 @@
+"""Group-relative advantages (GRPO, Dr. GRPO, RLOO) with masked rollouts.
+
+A reward of None marks a masked rollout (infra failure, timeout, ...): it leaves
+the group baseline and gets no advantage, so failures never poison a group.
+"""
+
+from __future__ import annotations
+
+import math
+
+METHODS = ("grpo", "drgrpo", "rloo")
+
+
+def group_advantages(
+    rewards: list[float | None],
+    method: str = "grpo",
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+) -> list[float | None]:
+    """Advantages for one group of rollouts of the same task.
+
+    - grpo: r - mean(valid); with normalize_std, divided by (std + eps) (population std).
+    - drgrpo: grpo without std normalisation (normalize_std is ignored).
+    - rloo: r - mean of the other valid rewards of the group.
+    A group with fewer than 2 valid rewards has no baseline: valid ones get 0.0.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown advantage method {method!r}; choose one of {METHODS}")
+    valid = [float(r) for r in rewards if r is not None]
+    n = len(valid)
+    if n < 2:
+        return [None if r is None else 0.0 for r in rewards]
+    mean = sum(valid) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in valid) / n)
+    total = sum(valid)
+    out: list[float | None] = []
+    for r in rewards:
+        if r is None:
+            out.append(None)
+            continue
+        r = float(r)
+        if method == "rloo":
+            adv = r - (total - r) / (n - 1)
+        else:
+            adv = r - mean
+        if normalize_std and method != "drgrpo":
+            adv = adv / (std + eps)
+        out.append(adv)
+    return out

@@ -1,0 +1,130 @@
+"""Turn a rollout's recorded LLM calls into token-exact training sequences.
+
+Calls are merged while each prompt starts with the tokens of an open sequence
+(its parent's prompt + completion, plus any bridging tokens the proxy rendered),
+so a k-turn conversation trains as ONE sequence instead of k (O(turns) compute,
+not O(turns^2)). Sampled tokens are never re-tokenized: the sequence is made of
+the recorded ids, and the loss mask is 1 only on tokens the policy sampled.
+
+Several open sequences are kept, not just the latest, so that interleaved
+conversations (e.g. a sub-agent's calls between two main-agent turns) still merge
+into their own chains instead of restarting from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from legorl.records import LLMCall, TrainingSequence
+
+
+@dataclass
+class _Open:
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    call_indices: list[int] = field(default_factory=list)
+    # Per-token routes; the first call that contained a position wins, so sampled tokens
+    # keep the routing of the call that sampled them (R3 replays sampling-time routes).
+    routes: list[list[list[int]]] | None = None
+
+
+def _check(call: LLMCall) -> None:
+    if len(call.completion_ids) != len(call.completion_logprobs):
+        raise ValueError(
+            f"call {call.index} of rollout {call.rollout_id}: {len(call.completion_ids)} completion ids "
+            f"but {len(call.completion_logprobs)} logprobs; the capture is invalid, mark the rollout "
+            "invalid_capture instead of training on it"
+        )
+
+
+def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
+    return len(prefix) <= len(ids) and ids[: len(prefix)] == prefix
+
+
+def _call_routes(call: LLMCall) -> list[list[list[int]]] | None:
+    # Only routes covering prompt + completion can be replayed over a whole sequence.
+    n = len(call.prompt_ids) + len(call.completion_ids)
+    if call.routed_experts is not None and len(call.routed_experts) == n:
+        return call.routed_experts
+    return None
+
+
+def build_sequences(
+    rollout_id: str,
+    calls: list[LLMCall],
+    advantage: float,
+    include_unsampled: bool = False,
+) -> list[TrainingSequence]:
+    """Merge a rollout's calls into token-exact sequences.
+
+    Loss mask is 1 on completion tokens of calls sampled from the policy (and, with
+    ``include_unsampled`` for SFT, of every call); prompt and bridging tokens get 0.
+    Rollout logprobs are aligned to token_ids and 0.0 where the mask is 0.
+    Sequences without any loss token are dropped (they carry no signal).
+    """
+    open_seqs: list[_Open] = []
+    owner: dict[int, _Open] = {}  # call index -> the sequence that holds it
+    for call in sorted(calls, key=lambda c: c.index):
+        _check(call)
+        trained = call.sampled_from_policy or include_unsampled
+        n_c = len(call.completion_ids)
+        c_mask = [1 if trained else 0] * n_c
+        c_lp = [float(x) for x in call.completion_logprobs] if trained else [0.0] * n_c
+        target = None
+        if call.segment_break is None:
+            # Prefer the parent's chain, then the longest open chain that is a prefix.
+            parent = owner.get(call.parent_index) if call.parent_index is not None else None
+            candidates = ([parent] if parent is not None else []) + sorted(
+                open_seqs, key=lambda s: -len(s.token_ids)
+            )
+            target = next((s for s in candidates if _is_prefix(s.token_ids, call.prompt_ids)), None)
+        routes = _call_routes(call)
+        if target is None:
+            target = _Open(
+                token_ids=list(call.prompt_ids) + list(call.completion_ids),
+                loss_mask=[0] * len(call.prompt_ids) + c_mask,
+                logprobs=[0.0] * len(call.prompt_ids) + c_lp,
+                routes=list(routes) if routes is not None else None,
+            )
+            open_seqs.append(target)
+        else:
+            start = len(target.token_ids)
+            bridge = list(call.prompt_ids[start:])
+            target.token_ids += bridge + list(call.completion_ids)
+            target.loss_mask += [0] * len(bridge) + c_mask
+            target.logprobs += [0.0] * len(bridge) + c_lp
+            if target.routes is not None and routes is not None:
+                target.routes += routes[start:]
+            else:
+                target.routes = None
+        target.call_indices.append(call.index)
+        owner[call.index] = target
+
+    kept = [s for s in open_seqs if any(s.loss_mask)]
+    return [
+        TrainingSequence(
+            rollout_id=rollout_id,
+            token_ids=s.token_ids,
+            loss_mask=s.loss_mask,
+            rollout_logprobs=s.logprobs,
+            advantage=float(advantage),
+            n_sequences_in_rollout=len(kept),
+            routed_experts=s.routes,
+        )
+        for s in kept
+    ]
+
+
+def merge_stats(calls: list[LLMCall], sequences: list[TrainingSequence]) -> dict[str, float]:
+    """How much merging saved: compression = tokens trained / tokens if every call were its own sample."""
+    unmerged = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+    trained = sum(len(s.token_ids) for s in sequences)
+    return {
+        "calls": float(len(calls)),
+        "sequences": float(len(sequences)),
+        "tokens_trained": float(trained),
+        "tokens_unmerged": float(unmerged),
+        "loss_tokens": float(sum(sum(s.loss_mask) for s in sequences)),
+        "compression": trained / unmerged if unmerged else 1.0,
+    }
