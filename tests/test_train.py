@@ -67,7 +67,7 @@ def test_ratio_one_gives_minus_mean_advantage() -> None:
     cur = logp.clone().requires_grad_(True)
     loss, m = policy_loss(cur, None, logp, adv, mask)
     # unmasked tokens: two with adv 1, one with adv -2 -> -(1 + 1 - 2) / 3 = 0
-    assert float(loss) == pytest.approx(0.0, abs=1e-7)
+    assert float(loss.detach()) == pytest.approx(0.0, abs=1e-7)
     assert m["ratio_mean"] == 1.0 and m["clip_frac"] == 0.0 and m["is_weight_mean"] == 1.0
     loss.backward()
     # d loss / d cur = -adv / n_tokens on unmasked tokens, 0 elsewhere
@@ -80,17 +80,17 @@ def test_clip_high_caps_positive_advantage() -> None:
     cur = torch.full((1, 2), math.log(1.5), requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
     loss, m = policy_loss(cur, old, old, torch.tensor([2.0]), mask, clip_high=0.28)
-    assert float(loss) == pytest.approx(-1.28 * 2.0)
+    assert float(loss.detach()) == pytest.approx(-1.28 * 2.0)
     assert m["clip_frac"] == 1.0 and m["ratio_mean"] == pytest.approx(1.5)
     loss.backward()
     assert torch.all(cur.grad == 0)  # clipped: no gradient
     # negative advantage with ratio 1.5: the unclipped branch is the pessimistic one
     loss, m = policy_loss(cur, old, old, torch.tensor([-1.0]), mask)
-    assert float(loss) == pytest.approx(1.5) and m["clip_frac"] == 0.0
+    assert float(loss.detach()) == pytest.approx(1.5) and m["clip_frac"] == 0.0
     # clip_low: ratio 0.5, negative advantage -> clipped at 0.8
     cur_low = torch.full((1, 2), math.log(0.5))
     loss, m = policy_loss(cur_low, old, old, torch.tensor([-1.0]), mask, clip_low=0.2)
-    assert float(loss) == pytest.approx(0.8) and m["clip_frac"] == 1.0
+    assert float(loss.detach()) == pytest.approx(0.8) and m["clip_frac"] == 1.0
 
 
 def test_masked_tokens_leave_numerator_and_denominator() -> None:
@@ -120,11 +120,11 @@ def test_tis_weight_is_capped() -> None:
     rollout = torch.tensor([[math.log(4.0), -math.log(3.0), math.log(1.0)]])  # w = 0.25, 3, 1
     mask = torch.ones(1, 3, dtype=torch.bool)
     loss, m = policy_loss(cur, None, rollout, torch.tensor([1.0]), mask, tis_cap=2.0)
-    assert float(loss) == pytest.approx(-(0.25 + 2.0 + 1.0) / 3)
+    assert float(loss.detach()) == pytest.approx(-(0.25 + 2.0 + 1.0) / 3)
     assert m["is_weight_mean"] == pytest.approx((0.25 + 2.0 + 1.0) / 3)
     assert m["is_truncated_frac"] == pytest.approx(1 / 3)
     loss, _ = policy_loss(cur, None, rollout, torch.tensor([1.0]), mask, tis_cap=None)
-    assert float(loss) == pytest.approx(-(0.25 + 3.0 + 1.0) / 3)
+    assert float(loss.detach()) == pytest.approx(-(0.25 + 3.0 + 1.0) / 3)
 
 
 def test_seq_mean_token_mean_groups_by_ids() -> None:
@@ -170,9 +170,7 @@ def test_three_chained_calls_merge_into_one_sequence() -> None:
     s = seqs[0]
     assert s.token_ids == [1, 2, 3, 10, 11, 4, 5, 12, 6, 13, 14, 15]
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
-    assert s.rollout_logprobs == pytest.approx(
-        [0, 0, 0, -0.1, -0.11, 0, 0, -0.2, 0, -0.3, -0.31, -0.32]
-    )
+    assert s.rollout_logprobs == pytest.approx([0, 0, 0, -0.1, -0.11, 0, 0, -0.2, 0, -0.3, -0.31, -0.32])
     assert s.advantage == 0.5 and s.n_sequences_in_rollout == 1 and s.rollout_id == "r1"
     stats = merge_stats(calls, seqs)
     assert stats["tokens_trained"] == 12 and stats["tokens_unmerged"] == 5 + 8 + 12
@@ -270,7 +268,10 @@ def _sampled_sequences(model: torch.nn.Module, advantages: list[float]) -> list[
         lps = [0.0] + [float(x) if m else 0.0 for x, m in zip(lp[0].tolist(), mask[1:])]
         out.append(
             TrainingSequence(
-                rollout_id=f"r{i}", token_ids=ids[0].tolist(), loss_mask=mask, rollout_logprobs=lps,
+                rollout_id=f"r{i}",
+                token_ids=ids[0].tolist(),
+                loss_mask=mask,
+                rollout_logprobs=lps,
                 advantage=adv,
             )
         )
@@ -353,7 +354,10 @@ def test_rollout_mean_weighs_split_rollouts_like_one() -> None:
     # one rollout split in two sequences (3 + 1 tokens) and another with 1 token
     model = _tiny_model()
     tr = Trainer(model, loss_agg="rollout-mean")
-    mk = lambda rid, n_loss: TrainingSequence(rid, [1] * (n_loss + 1), [0] + [1] * n_loss, [0.0] * (n_loss + 1), 1.0)  # noqa: E731
+
+    def mk(rid: str, n_loss: int) -> TrainingSequence:
+        return TrainingSequence(rid, [1] * (n_loss + 1), [0] + [1] * n_loss, [0.0] * (n_loss + 1), 1.0)
+
     w = tr._sequence_weights([mk("a", 3), mk("a", 1), mk("b", 1)])
     assert w == pytest.approx([1 / 8, 1 / 8, 1 / 2])
     tr.loss_agg = "token-mean"

@@ -74,7 +74,9 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * m).sum() / m.sum().clamp(min=1.0)
 
 
-def aggregate(token_loss: Tensor, mask: Tensor, agg: str = "token-mean", seq_ids: Tensor | None = None) -> Tensor:
+def aggregate(
+    token_loss: Tensor, mask: Tensor, agg: str = "token-mean", seq_ids: Tensor | None = None
+) -> Tensor:
     """Reduce per-token losses; masked tokens leave numerator AND denominator.
 
     - token-mean: mean over all unmasked tokens of the batch.

@@ -125,8 +125,7 @@ class Trainer:
             per_rollout[s.rollout_id] = per_rollout.get(s.rollout_id, 0) + c
         n_rollouts = sum(1 for c in per_rollout.values() if c > 0)
         return [
-            1.0 / (n_rollouts * per_rollout[s.rollout_id]) if per_rollout[s.rollout_id] else 0.0
-            for s in seqs
+            1.0 / (n_rollouts * per_rollout[s.rollout_id]) if per_rollout[s.rollout_id] else 0.0 for s in seqs
         ]
 
     def _clip_and_step(self) -> tuple[float, bool]:
@@ -162,7 +161,9 @@ class Trainer:
             t = self._collate(batch)
             total_tokens += int(t["attention_mask"].sum())
             with torch.set_grad_enabled(not skip):
-                cur, ent = sequence_logprobs(self.model, t["input_ids"], t["attention_mask"], self.temperature)
+                cur, ent = sequence_logprobs(
+                    self.model, t["input_ids"], t["attention_mask"], self.temperature
+                )
                 adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
                 terms = policy_terms(
                     cur, None, t["rollout_logp"], adv, self.clip_low, self.clip_high, self.tis_cap

@@ -1,0 +1,44 @@
+"""The agent's changes, computed inside its sandbox.
+
+Never run git on the host in a workspace the agent controlled: its .git/config or
+hooks could run code on the host. Inside the sandbox the worst it can do is lie
+about its own diff.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Protocol
+
+from legorl.sandbox.client import ExecResult, SandboxError
+
+GIT = (
+    "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*' "
+    "-c core.pager=cat -c diff.noprefix=false -c diff.mnemonicPrefix=false"
+)
+# Bytecode and caches are never part of a fix.
+EXCLUDES = "':(exclude,glob)**/__pycache__/**' ':(exclude,glob)**/*.pyc' ':(exclude,glob)**/.pytest_cache/**'"
+
+
+class ExecSandbox(Protocol):
+    async def exec(
+        self, command: str, timeout: float = 30, cwd: str = "/workspace", env: dict[str, str] | None = None
+    ) -> ExecResult: ...
+
+
+async def workspace_diff(sandbox: ExecSandbox, base: str | None = None, timeout: float = 60) -> str:
+    """Diff of /workspace (untracked files included) against ``base`` (default: the root commit).
+
+    Pass the sha prepare_repo returned: the agent may have committed or moved HEAD.
+    """
+    ref = shlex.quote(base) if base else "$(" + GIT + " rev-list --max-parents=0 HEAD | tail -n 1)"
+    err = "/tmp/.legorl_diff_err"  # stderr kept apart: warnings must not end up inside the patch
+    cmd = (
+        f"{GIT} add -A --ignore-errors -- . {EXCLUDES} >/dev/null 2>&1; "
+        f"{GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv --full-index {ref} -- . {EXCLUDES}"
+        f" 2>{err} || {{ cat {err}; exit 3; }}"
+    )
+    result = await sandbox.exec(cmd, timeout=timeout, env={"GIT_DIR": "/workspace/.git", "GIT_WORK_TREE": "/workspace"})
+    if result.returncode != 0 or result.timed_out:
+        raise SandboxError(f"could not compute the workspace diff (exit {result.returncode}): {result.output[-500:]}")
+    return result.output

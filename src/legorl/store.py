@@ -1,0 +1,357 @@
+"""SQLite run store: every LLM call is persisted the moment it happens.
+
+WAL mode so the dashboard (another connection or process) reads while the driver
+writes. One connection, guarded by a lock, is shared by the asyncio loop and worker
+threads (``check_same_thread=False``). Token arrays are stored compactly as
+little-endian int32 / float32 bytes; routed experts as int32 with a two-int header
+(layers, top_k) so the [tokens][layers][top_k] shape survives the round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from legorl.records import GraderReport, LLMCall, Outcome, Rollout, ToolCall
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT, created REAL, config_json TEXT
+);
+CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, t REAL, metrics_json TEXT);
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY, step INTEGER, task_id TEXT, group_id TEXT, sample_index INTEGER,
+    harness TEXT, split TEXT, outcome TEXT, outcome_reason TEXT, reward REAL, diff TEXT,
+    report_json TEXT, weight_version_start INTEGER, weight_version_end INTEGER,
+    timings_json TEXT, created REAL, updated REAL
+);
+CREATE INDEX IF NOT EXISTS rollouts_step ON rollouts(step);
+CREATE TABLE IF NOT EXISTS llm_calls (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, rollout_id TEXT, idx INTEGER, wire_format TEXT,
+    request_json TEXT, prompt_ids BLOB, completion_ids BLOB, completion_logprobs BLOB,
+    finish_reason TEXT, weight_version INTEGER, completion_text TEXT, tool_calls_json TEXT,
+    parent_index INTEGER, segment_break TEXT, naive_prompt_differs INTEGER,
+    sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL
+);
+CREATE INDEX IF NOT EXISTS llm_calls_rollout ON llm_calls(rollout_id);
+"""
+
+_CALL_COLS = (
+    "rollout_id, idx, wire_format, request_json, prompt_ids, completion_ids, completion_logprobs, "
+    "finish_reason, weight_version, completion_text, tool_calls_json, parent_index, segment_break, "
+    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end"
+)
+
+
+def ids_to_blob(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype=_I32).tobytes()
+
+
+def blob_to_ids(b: bytes | None) -> list[int]:
+    return np.frombuffer(b, dtype=_I32).tolist() if b else []
+
+
+def floats_to_blob(xs: list[float]) -> bytes:
+    return np.asarray(xs, dtype=_F32).tobytes()
+
+
+def blob_to_floats(b: bytes | None) -> list[float]:
+    return np.frombuffer(b, dtype=_F32).tolist() if b else []
+
+
+def routes_to_blob(routes: list[list[list[int]]] | None) -> bytes | None:
+    if routes is None:
+        return None
+    if len(routes) == 0:
+        return np.zeros(2, dtype=_I32).tobytes()
+    arr = np.asarray(routes, dtype=_I32)
+    if arr.ndim != 3:
+        raise ValueError(f"routed_experts must be [tokens][layers][top_k], got shape {arr.shape}")
+    return np.asarray(arr.shape[1:], dtype=_I32).tobytes() + arr.tobytes()
+
+
+def blob_to_routes(b: bytes | None) -> list[list[list[int]]] | None:
+    if b is None:
+        return None
+    layers, top_k = np.frombuffer(b[:8], dtype=_I32).tolist()
+    if layers * top_k == 0:
+        return []
+    return np.frombuffer(b[8:], dtype=_I32).reshape(-1, layers, top_k).tolist()
+
+
+class Store:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30.0)
+        self._conn.row_factory = sqlite3.Row
+        with self._lock:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable across process crashes in WAL mode and far cheaper than FULL per commit.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA busy_timeout=30000")
+            self._conn.executescript(_SCHEMA)
+            self._conn.commit()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def journal_mode(self) -> str:
+        return str(self._query("PRAGMA journal_mode")[0][0])
+
+    def _write(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        with self._lock:
+            cur = self._conn.execute(sql, params)
+            self._conn.commit()
+            return int(cur.lastrowid or 0)
+
+    def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    # ---- writes -----------------------------------------------------------------------------
+
+    def add_run(self, name: str, config: dict[str, Any]) -> int:
+        return self._write(
+            "INSERT INTO runs (name, created, config_json) VALUES (?, ?, ?)",
+            (name, time.time(), json.dumps(config, default=str)),
+        )
+
+    def add_call(self, call: LLMCall) -> int:
+        """Persist one call now (committed before returning). Returns its row id."""
+        params = (
+            call.rollout_id,
+            call.index,
+            call.wire_format,
+            json.dumps(call.request, default=str),
+            ids_to_blob(call.prompt_ids),
+            ids_to_blob(call.completion_ids),
+            floats_to_blob(call.completion_logprobs),
+            call.finish_reason,
+            call.weight_version,
+            call.completion_text,
+            json.dumps([tc.__dict__ for tc in call.tool_calls]),
+            call.parent_index,
+            call.segment_break,
+            int(call.naive_prompt_differs),
+            int(call.sampled_from_policy),
+            routes_to_blob(call.routed_experts),
+            call.t_start,
+            call.t_end,
+        )
+        marks = ", ".join("?" * len(params))
+        return self._write(f"INSERT INTO llm_calls ({_CALL_COLS}) VALUES ({marks})", params)
+
+    def upsert_rollout(self, r: Rollout) -> None:
+        """Insert or update a rollout's row (its calls are stored separately by add_call)."""
+        now = time.time()
+        report = json.dumps(r.report.to_dict()) if r.report is not None else None
+        self._write(
+            """INSERT INTO rollouts (id, step, task_id, group_id, sample_index, harness, split, outcome,
+                   outcome_reason, reward, diff, report_json, weight_version_start, weight_version_end,
+                   timings_json, created, updated)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT(id) DO UPDATE SET
+                   step=excluded.step, task_id=excluded.task_id, group_id=excluded.group_id,
+                   sample_index=excluded.sample_index, harness=excluded.harness, split=excluded.split,
+                   outcome=excluded.outcome, outcome_reason=excluded.outcome_reason,
+                   reward=excluded.reward, diff=excluded.diff, report_json=excluded.report_json,
+                   weight_version_start=excluded.weight_version_start,
+                   weight_version_end=excluded.weight_version_end,
+                   timings_json=excluded.timings_json, updated=excluded.updated""",
+            (
+                r.id,
+                r.step,
+                r.task_id,
+                r.group_id,
+                r.sample_index,
+                r.harness,
+                r.split,
+                r.outcome.value if r.outcome is not None else None,
+                r.outcome_reason,
+                r.reward,
+                r.diff,
+                report,
+                r.weight_version_start,
+                r.weight_version_end,
+                json.dumps(r.timings),
+                now,
+                now,
+            ),
+        )
+
+    def add_step(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO steps (step, t, metrics_json) VALUES (?, ?, ?)",
+            (step, time.time(), json.dumps(metrics)),
+        )
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def calls_for(self, rollout_id: str) -> list[LLMCall]:
+        rows = self._query(
+            f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,)
+        )
+        return [_row_to_call(row) for row in rows]
+
+    def rollouts(
+        self, step: int | None = None, split: str | None = None, with_calls: bool = False
+    ) -> list[Rollout]:
+        where, params = [], []
+        if step is not None:
+            where.append("step = ?")
+            params.append(step)
+        if split is not None:
+            where.append("split = ?")
+            params.append(split)
+        sql = "SELECT * FROM rollouts" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self._query(sql + " ORDER BY step, group_id, sample_index, id", tuple(params))
+        out = [_row_to_rollout(row) for row in rows]
+        if with_calls:
+            for r in out:
+                r.calls = self.calls_for(r.id)
+        return out
+
+    def last_step(self) -> int | None:
+        row = self._query("SELECT MAX(step) FROM steps")[0]
+        return None if row[0] is None else int(row[0])
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        rows = self._query("SELECT metrics_json FROM steps WHERE step = ?", (step,))
+        return json.loads(rows[0][0]) if rows else {}
+
+    def report(self, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+        """Run summary: counts, token-fidelity check of every call, and the last step's metrics."""
+        by_outcome: dict[str, int] = {}
+        for row in self._query("SELECT outcome, COUNT(*) FROM rollouts GROUP BY outcome"):
+            by_outcome[row[0] if row[0] is not None else "pending"] = int(row[1])
+        by_outcome["total"] = sum(by_outcome.values())
+        fid = {"checked": 0, "violations": 0, "segments": 0, "bridge_hits": 0, "drift_prevented": 0}
+        examples: list[dict[str, Any]] = []
+        for row in self._iter_rows(
+            "SELECT id, rollout_id, idx, completion_ids, completion_logprobs, completion_text, parent_index,"
+            " segment_break, naive_prompt_differs FROM llm_calls ORDER BY id"
+        ):
+            fid["checked"] += 1
+            ids = blob_to_ids(row["completion_ids"])
+            n_lp = len(row["completion_logprobs"] or b"") // _F32.itemsize
+            why = None
+            if not ids:
+                why = "empty completion ids"
+            elif len(ids) != n_lp:
+                why = f"{len(ids)} ids but {n_lp} logprobs"
+            elif decode is not None and decode(ids) != (row["completion_text"] or ""):
+                why = "decode(completion_ids) != completion_text"
+            if why:
+                fid["violations"] += 1
+                if len(examples) < 20:
+                    examples.append({"rollout_id": row["rollout_id"], "index": row["idx"], "why": why})
+            if row["parent_index"] is None or row["segment_break"] is not None:
+                fid["segments"] += 1
+            if row["parent_index"] is not None:
+                fid["bridge_hits"] += 1
+            if row["naive_prompt_differs"]:
+                fid["drift_prevented"] += 1
+        last = self.last_step()
+        return {
+            "steps": int(self._query("SELECT COUNT(*) FROM steps")[0][0]),
+            "rollouts": by_outcome,
+            "llm_calls": fid["checked"],
+            "fidelity": {**fid, "examples": examples},
+            "last_step": self.step_metrics(last) if last is not None else {},
+        }
+
+    def export_calls_jsonl(self, path: str | Path) -> int:
+        """One JSON object per call (token arrays as lists). Returns the number written."""
+        n = 0
+        with open(path, "w", encoding="utf-8") as f:
+            for row in self._iter_rows(f"SELECT {_CALL_COLS} FROM llm_calls ORDER BY rollout_id, idx, id"):
+                c = _row_to_call(row)
+                d = dict(c.__dict__)
+                d["tool_calls"] = [tc.__dict__ for tc in c.tool_calls]
+                f.write(json.dumps(d) + "\n")
+                n += 1
+        return n
+
+    def _iter_rows(self, sql: str, batch: int = 500) -> Iterator[sqlite3.Row]:
+        """Stream rows in batches on a snapshot cursor, holding the lock only per batch.
+
+        Reads on a separate connection so writers (same process) are not blocked for the
+        whole scan; WAL gives this reader a consistent snapshot.
+        """
+        conn = sqlite3.connect(str(self.path), timeout=30.0)
+        conn.row_factory = sqlite3.Row
+        try:
+            cur = conn.execute(sql)
+            while rows := cur.fetchmany(batch):
+                yield from rows
+        finally:
+            conn.close()
+
+
+def _row_to_call(row: sqlite3.Row) -> LLMCall:
+    return LLMCall(
+        rollout_id=row["rollout_id"],
+        index=row["idx"],
+        wire_format=row["wire_format"],
+        request=json.loads(row["request_json"]) if row["request_json"] else {},
+        prompt_ids=blob_to_ids(row["prompt_ids"]),
+        completion_ids=blob_to_ids(row["completion_ids"]),
+        completion_logprobs=blob_to_floats(row["completion_logprobs"]),
+        finish_reason=row["finish_reason"],
+        weight_version=row["weight_version"],
+        completion_text=row["completion_text"] or "",
+        tool_calls=[ToolCall(**d) for d in json.loads(row["tool_calls_json"] or "[]")],
+        parent_index=row["parent_index"],
+        segment_break=row["segment_break"],
+        naive_prompt_differs=bool(row["naive_prompt_differs"]),
+        sampled_from_policy=bool(row["sampled_from_policy"]),
+        routed_experts=blob_to_routes(row["routed_experts"]),
+        t_start=row["t_start"] or 0.0,
+        t_end=row["t_end"] or 0.0,
+    )
+
+
+def _row_to_rollout(row: sqlite3.Row) -> Rollout:
+    report = None
+    if row["report_json"]:
+        d = json.loads(row["report_json"])
+        d["outcome"] = Outcome(d["outcome"])
+        report = GraderReport(**d)
+    return Rollout(
+        id=row["id"],
+        step=row["step"],
+        task_id=row["task_id"],
+        group_id=row["group_id"],
+        sample_index=row["sample_index"],
+        harness=row["harness"],
+        outcome=Outcome(row["outcome"]) if row["outcome"] else None,
+        outcome_reason=row["outcome_reason"] or "",
+        reward=row["reward"],
+        diff=row["diff"] or "",
+        report=report,
+        weight_version_start=row["weight_version_start"] or 0,
+        weight_version_end=row["weight_version_end"] or 0,
+        timings=json.loads(row["timings_json"] or "{}"),
+        split=row["split"] or "train",
+    )

@@ -1,0 +1,31 @@
+"""Shared fixtures: the built-in tokenizer and a tiny model, built on the spot (no hub)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# One cache for the whole test session: the tokenizer and model builds are deterministic.
+CACHE = Path(os.environ.get("LEGORL_TEST_CACHE", Path(__file__).resolve().parents[1] / ".pytest_cache" / "legorl"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    return CACHE
+
+
+@pytest.fixture(scope="session")
+def tokenizer(cache_dir):
+    from legorl.models import build_tokenizer
+
+    return build_tokenizer(cache_dir, 4096)
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    from legorl.models import ModelSpec
+
+    return ModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=16)

@@ -1,0 +1,54 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from legorl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        assert cfg.run.steps >= 0, path
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(ROOT / "configs/smoke.yaml", ["trainer.lr=1e-5", "rollout.group_size=4",
+                                                    "tasks.families=[off_by_one, wrong_operator]"])
+    assert cfg.trainer.lr == pytest.approx(1e-5)
+    assert cfg.rollout.group_size == 4
+    assert cfg.tasks.families == ["off_by_one", "wrong_operator"]
+
+
+def test_unknown_key_is_one_clear_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/smoke.yaml", ["trainer.lrr=1e-5"])
+    msg = str(e.value)
+    assert "unknown key 'trainer.lrr'" in msg and "\n" not in msg
+
+
+def test_bad_value_names_key_and_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.group_size=many"])
+    msg = str(e.value)
+    assert "'rollout.group_size'" in msg and "integer" in msg and "\n" not in msg
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_reports_config_error_without_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
+                        "--run-dir", str(tmp_path / "r"), "sampling.temperature=-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "sampling.temperature" in p.stderr and "Traceback" not in p.stderr
