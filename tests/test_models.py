@@ -94,7 +94,7 @@ def test_round_trip_nasty(tok, s: str) -> None:
     assert tok.decode(tok.encode(s, add_special_tokens=False), skip_special_tokens=False) == s
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=200))
 def test_round_trip_any_unicode(tok, s: str) -> None:
     assert tok.decode(tok.encode(s, add_special_tokens=False), skip_special_tokens=False) == s
@@ -154,7 +154,7 @@ def _assistant_text(msg: dict) -> str:
     return "\n".join([content, *blocks]) if content else "\n".join(blocks)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_conversation)
 def test_token_bridge_prefix_property(tok, conv) -> None:
     system, body, with_tools = conv
@@ -168,8 +168,10 @@ def test_token_bridge_prefix_property(tok, conv) -> None:
         prefix = render(tok, msgs[:k], tools)
         assert full.startswith(prefix)
         # The sampled turn is exactly generation prompt + text + <|im_end|>, and the template adds "\n".
-        gen_prompt = render(tok, msgs[: k - 1], tools, gen=True)
-        assert prefix == gen_prompt + _assistant_text(msgs[k - 1]) + IM_END + "\n"
+        turn = _assistant_text(msgs[k - 1]) + IM_END + "\n"
+        if k > 1:  # transformers refuses to render an empty conversation
+            assert prefix == render(tok, msgs[: k - 1], tools, gen=True) + turn
+        assert prefix.endswith(f"{IM_START}assistant\n" + turn)
         # Turn boundaries sit next to special tokens, so the token ids are a prefix as well.
         pids = tok.encode(prefix, add_special_tokens=False)
         assert full_ids[: len(pids)] == pids

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from legorl.records import LLMCall, TrainingSequence
+from legorl.records import LLMCall, Rollout, TrainingSequence
 from legorl.train.advantages import group_advantages
 from legorl.train.logprobs import sequence_logprobs
 from legorl.train.losses import aggregate, policy_loss
-from legorl.train.sequences import build_sequences, merge_stats
+from legorl.train.sequences import build_batch, build_sequences, merge_stats
 from legorl.train.trainer import Trainer
 
 # ---- advantages -------------------------------------------------------------------------------
@@ -225,11 +225,48 @@ def test_routed_experts_keep_sampling_time_routes() -> None:
     assert s.routed_experts == [[[0]], [[1]], [[2]], [[3]], [[4]]]  # token 10 keeps its decode route
 
 
+def test_build_batch_skips_masked_rollouts() -> None:
+    rollouts = [
+        Rollout(id=f"r{i}", step=0, task_id="t", group_id="g", sample_index=i, harness="h") for i in range(3)
+    ]
+    for r in rollouts:
+        r.calls = [_call(0, [1, 2], [10])]
+    seqs = build_batch(rollouts, [0.5, None, -0.5])
+    assert [(s.rollout_id, s.advantage) for s in seqs] == [("r0", 0.5), ("r2", -0.5)]
+
+
 def test_bad_capture_is_rejected() -> None:
     bad = _call(0, [1], [10, 11])
     bad.completion_logprobs = [-0.1]
     with pytest.raises(ValueError, match="invalid_capture"):
         build_sequences("r1", [bad], 1.0)
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.7, 0.9)])
+def test_logprobs_match_engine_definition(temperature: float, top_p: float) -> None:
+    from legorl.engine.sampling import token_logprobs
+    from legorl.train.logprobs import token_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 300, generator=g) * 3
+    ids = torch.argmax(logits, dim=-1)  # always inside any nucleus
+    got, ent = token_logprobs_and_entropy(logits, ids, temperature, top_p)
+    assert torch.equal(got, token_logprobs(logits, ids, temperature, top_p))
+    if top_p == 1.0:
+        scaled = logits / temperature if temperature > 0 else logits
+        assert torch.allclose(got, torch.log_softmax(scaled, -1).gather(-1, ids[..., None])[..., 0])
+    assert torch.isfinite(ent).all() and (ent >= 0).all()
+
+
+def test_token_outside_trainer_nucleus_stays_finite() -> None:
+    from legorl.train.logprobs import token_logprobs_and_entropy
+
+    logits = torch.tensor([[[5.0, 0.0, -5.0]]])
+    logp, _ = token_logprobs_and_entropy(logits, torch.tensor([[2]]), 1.0, top_p=0.5)
+    assert torch.isfinite(logp).all()
 
 
 # ---- trainer ----------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def report(
 
         tok = load_tokenizer(run_dir / "tokenizer")
         decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-    summary = Store(db, readonly=True).report(decode=decode)
+    summary = Store(db).report(decode=decode)
     if as_json:
         print(json.dumps(summary, indent=2, sort_keys=True))
         return

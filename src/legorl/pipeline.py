@@ -53,7 +53,7 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
         tasks = load_jsonl(t.path)
         train = [x for x in tasks if x.split != "heldout"]
         return train, [x for x in tasks if x.split == "heldout"]
-    return builtin_splits(t.n_train, t.n_heldout, t.seed, families=t.families)
+    return builtin_splits(t.n_train, t.n_heldout, t.seed)
 
 
 @dataclass

@@ -38,7 +38,11 @@ async def workspace_diff(sandbox: ExecSandbox, base: str | None = None, timeout:
         f"{GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv --full-index {ref} -- . {EXCLUDES}"
         f" 2>{err} || {{ cat {err}; exit 3; }}"
     )
-    result = await sandbox.exec(cmd, timeout=timeout, env={"GIT_DIR": "/workspace/.git", "GIT_WORK_TREE": "/workspace"})
+    result = await sandbox.exec(
+        cmd, timeout=timeout, env={"GIT_DIR": "/workspace/.git", "GIT_WORK_TREE": "/workspace"}
+    )
     if result.returncode != 0 or result.timed_out:
-        raise SandboxError(f"could not compute the workspace diff (exit {result.returncode}): {result.output[-500:]}")
+        raise SandboxError(
+            f"could not compute the workspace diff (exit {result.returncode}): {result.output[-500:]}"
+        )
     return result.output

@@ -24,6 +24,9 @@ from legorl.tasks.schema import Task
 GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*'"
 VERIFIER_INSIDE = "/run/verifier"
 LOG_TAIL = 2000
+# No plugin autoload: installed plugins stay out of the verdict (and cost seconds per run);
+# a task that needs one names it in its test_command (`-p asyncio`).
+GRADER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_ADDOPTS": "", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
 def _test_files(task: Task) -> list[str]:
@@ -98,7 +101,7 @@ async def grade(
         junit_name = f"junit-{secrets.token_hex(8)}.xml"
         args = ["-p", "no:cacheprovider", f"--junitxml={VERIFIER_INSIDE}/{junit_name}", *_test_files(task)]
         cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
-        r = await box.exec(cmd, timeout=timeout, env={"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_ADDOPTS": ""})
+        r = await box.exec(cmd, timeout=timeout, env=GRADER_ENV)
         report.exit_code, report.log_tail = r.returncode, r.output[-LOG_TAIL:]
         # Close first: nothing the tests left running can rewrite the report while we read it.
         await box.close()
@@ -120,7 +123,7 @@ async def grade(
         elif not task.test_ids:
             report.reason = "task lists no FAIL_TO_PASS/PASS_TO_PASS tests"
         return report
-    except Exception as e:  # infrastructure failure: typed, never a reward of 0
+    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
         report.resolved, report.outcome = False, Outcome.GRADER_ERROR
         report.reason = f"{type(e).__name__}: {e}"[:2000]
         return report

@@ -63,7 +63,7 @@ def split_diff(diff: str) -> list[FileSection]:
             in_hunk = False
         sec = sections[-1]
         sec.text += line
-        if line.startswith("@@") or line.startswith("GIT binary patch"):
+        if line.startswith(("@@", "GIT binary patch")):
             in_hunk = True
         elif in_hunk:
             continue
@@ -78,7 +78,9 @@ def split_diff(diff: str) -> list[FileSection]:
     return [s for s in sections if s.text.strip()]
 
 
-def filter_diff(diff: str, protected: set[str] | frozenset[str] = frozenset()) -> tuple[str, list[str], list[str]]:
+def filter_diff(
+    diff: str, protected: set[str] | frozenset[str] = frozenset()
+) -> tuple[str, list[str], list[str]]:
     """Returns (kept diff, applied paths, dropped paths). ``protected``: hidden test paths."""
     kept: list[str] = []
     applied: list[str] = []

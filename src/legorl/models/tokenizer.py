@@ -29,7 +29,7 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 # Added but not special: decode(skip_special_tokens=True) keeps them, and a tool call costs one id each.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-_CORPUS_DOCS = 1500
+_CORPUS_DOCS = 1000
 _CORPUS_SEED = 0
 _TRAINER_VERSION = 1  # bump when the training recipe below changes
 
@@ -80,6 +80,7 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
         eos_token=IM_END,
         pad_token=PAD,
         unk_token=None,
+        extra_special_tokens=[IM_START],  # so all_special_tokens / skip_special_tokens know it
         clean_up_tokenization_spaces=False,  # would break byte-exact round trips
         model_max_length=1 << 20,
     )

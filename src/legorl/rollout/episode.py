@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class EpisodeContext:
     grading_timeout: float
     hide_paths: list[Path] = field(default_factory=list)  # invisible inside sandboxes (run dir, task files)
     keep_workspaces: bool = False
+    # Teacher episodes: the scripted engine plays this script for each rollout of a task.
+    script_for: Callable[[Task], list[str]] | None = None
 
 
 def new_rollout_id(step: int, task_id: str, sample: int) -> str:
@@ -49,6 +52,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                       harness=ctx.harness.name, split=split,
                       weight_version_start=ctx.proxy.engine.weight_version)
     ctx.store.upsert_rollout(rollout)
+    if ctx.script_for is not None:
+        ctx.proxy.engine.set_script(rid, ctx.script_for(task))
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)
     t0 = time.time()

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 from legorl.sandbox.client import (
     REPLY_SLACK_S,
@@ -153,7 +154,12 @@ class BwrapSandbox:
     inside_workspace = INSIDE_WORKSPACE
 
     def __init__(
-        self, proc: asyncio.subprocess.Process, workspace: Path, sandbox_dir: Path, label: str, relay_port: int
+        self,
+        proc: asyncio.subprocess.Process,
+        workspace: Path,
+        sandbox_dir: Path,
+        label: str,
+        relay_port: int,
     ) -> None:
         self.proc = proc
         self.workspace = workspace
@@ -205,7 +211,7 @@ class BwrapSandbox:
         )
         if memory_mb is not None:
             argv = ["prlimit", f"--as={memory_mb * 1024 * 1024}", "--", *argv]
-        log = open(sandbox_dir / "bwrap.log", "wb")
+        log = os.open(sandbox_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
@@ -213,7 +219,7 @@ class BwrapSandbox:
         except OSError as e:
             raise SandboxError(f"could not start bwrap: {e}") from e
         finally:
-            log.close()
+            os.close(log)
         (sandbox_dir / "label.json").write_text(
             json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time()})
         )
@@ -251,7 +257,11 @@ class BwrapSandbox:
         return json.loads(line)
 
     async def exec(
-        self, command: str, timeout: float = 30, cwd: str = INSIDE_WORKSPACE, env: dict[str, str] | None = None
+        self,
+        command: str,
+        timeout: float = 30,
+        cwd: str = INSIDE_WORKSPACE,
+        env: dict[str, str] | None = None,
     ) -> ExecResult:
         """Run ``bash -c command``; on timeout the command's process group is killed."""
         reply = await self._request(exec_request(command, timeout, cwd, env), timeout + REPLY_SLACK_S)
@@ -278,7 +288,7 @@ class BwrapSandbox:
         except TimeoutError:
             pass
 
-    async def __aenter__(self) -> BwrapSandbox:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -83,7 +83,12 @@ def read_file(req: dict) -> dict:
         return {"content_b64": base64.b64encode(f.read()).decode()}
 
 
-OPS = {"exec": run_command, "write_file": write_file, "read_file": read_file, "ping": lambda req: {"ok": True}}
+OPS = {
+    "exec": run_command,
+    "write_file": write_file,
+    "read_file": read_file,
+    "ping": lambda req: {"ok": True},
+}
 
 
 def serve_control(conn: socket.socket) -> None:
@@ -92,7 +97,7 @@ def serve_control(conn: socket.socket) -> None:
             try:
                 req = json.loads(line)
                 reply = OPS[req.get("op", "exec")](req)
-            except Exception as e:  # a bad request must not kill the agent
+            except Exception as e:  # noqa: BLE001 - a bad request must not kill the agent
                 reply = {"error": f"{type(e).__name__}: {e}"}
             f.write(json.dumps(reply).encode() + b"\n")
             f.flush()

@@ -21,10 +21,11 @@ from legorl.tasks.schema import Task
 HIDDEN_TEST_PATH = "tests/test_hidden.py"
 VISIBLE_TEST_PATH = "tests/test_basic.py"
 
-WORDS = (
-    "atlas birch cobalt delta ember fable garnet harbor indigo juniper kestrel lumen maple nimbus "
-    "onyx pebble quartz raven sierra tundra umber vesper willow xenon yarrow zephyr"
-).split()
+WORDS = [
+    "atlas", "birch", "cobalt", "delta", "ember", "fable", "garnet", "harbor", "indigo", "juniper", "kestrel",
+    "lumen", "maple", "nimbus", "onyx", "pebble", "quartz", "raven", "sierra", "tundra", "umber", "vesper",
+    "willow", "xenon", "yarrow", "zephyr",
+]  # fmt: skip
 
 
 @dataclass
@@ -43,11 +44,15 @@ def _wrong_operator(r: random.Random) -> Bug:
         f = r.choice(["area", "rect_area", "surface", "tile_count"])
         a, b = r.randint(3, 9), r.randint(3, 9)
         code = f'def {f}(width, height):\n    """Area of a width x height rectangle."""\n    return width * height\n'
-        return Bug("geometry", f, code, "width * height", "width + height", [f"{f}({a}, {b})"], [f"{f}(2, 2)"])
+        return Bug(
+            "geometry", f, code, "width * height", "width + height", [f"{f}({a}, {b})"], [f"{f}(2, 2)"]
+        )
     f = r.choice(["apply_discount", "net_price", "sale_price"])
     p, d = r.randint(20, 90), r.randint(2, 15)
     code = f'def {f}(price, discount):\n    """Price after subtracting a flat discount."""\n    return price - discount\n'
-    return Bug("pricing", f, code, "price - discount", "price + discount", [f"{f}({p}, {d})"], [f"{f}({p}, 0)"])
+    return Bug(
+        "pricing", f, code, "price - discount", "price + discount", [f"{f}({p}, {d})"], [f"{f}({p}, 0)"]
+    )
 
 
 def _off_by_one(r: random.Random) -> Bug:
@@ -57,11 +62,21 @@ def _off_by_one(r: random.Random) -> Bug:
             f'def {f}(n):\n    """Sum of the integers 1..n inclusive."""\n    total = 0\n'
             "    for i in range(1, n + 1):\n        total += i\n    return total\n"
         )
-        return Bug("series", f, code, "range(1, n + 1)", "range(1, n)", [f"{f}({r.randint(3, 12)})"], [f"{f}(0)"])
+        return Bug(
+            "series", f, code, "range(1, n + 1)", "range(1, n)", [f"{f}({r.randint(3, 12)})"], [f"{f}(0)"]
+        )
     f = r.choice(["first_k", "take", "head"])
     items = r.sample(range(10, 99), r.randint(4, 6))
     code = f'def {f}(items, k):\n    """The first k items of a list."""\n    return items[:k]\n'
-    return Bug("listops", f, code, "items[:k]", "items[:k - 1]", [f"{f}({items}, {r.randint(1, 3)})"], [f"{f}([], 2)"])
+    return Bug(
+        "listops",
+        f,
+        code,
+        "items[:k]",
+        "items[:k - 1]",
+        [f"{f}({items}, {r.randint(1, 3)})"],
+        [f"{f}([], 2)"],
+    )
 
 
 _UNITS = [  # (function, constant name, factor, wrong factor)
@@ -76,7 +91,9 @@ _UNITS = [  # (function, constant name, factor, wrong factor)
 def _wrong_constant(r: random.Random) -> Bug:
     f, const, good, bad = r.choice(_UNITS)
     code = f'{const} = {good}\n\n\ndef {f}(value):\n    """Convert using {const}."""\n    return value * {const}\n'
-    return Bug("units", f, code, f"{const} = {good}", f"{const} = {bad}", [f"{f}({r.randint(2, 9)})"], [f"{f}(0)"])
+    return Bug(
+        "units", f, code, f"{const} = {good}", f"{const} = {bad}", [f"{f}({r.randint(2, 9)})"], [f"{f}(0)"]
+    )
 
 
 def _inverted_condition(r: random.Random) -> Bug:
@@ -91,7 +108,9 @@ def _inverted_condition(r: random.Random) -> Bug:
         f'def {f}(values, limit):\n    """The values that are <= limit, in order."""\n'
         "    return [v for v in values if v <= limit]\n"
     )
-    return Bug("filters", f, code, "v <= limit", "v > limit", [f"{f}({values}, {limit})"], [f"{f}([], {limit})"])
+    return Bug(
+        "filters", f, code, "v <= limit", "v > limit", [f"{f}({values}, {limit})"], [f"{f}([], {limit})"]
+    )
 
 
 def _wrong_variable(r: random.Random) -> Bug:
@@ -194,10 +213,10 @@ _HELPERS = [
 
 def _evaluate(code: str, call: str) -> tuple[bool, str]:
     env: dict = {}
-    exec(code, env)  # our own generated code, never task input
+    exec(code, env)  # noqa: S102 - our own generated code, never task input
     try:
         return True, repr(eval(call, env))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the planted bug may raise anything
         return False, f"{type(e).__name__}: {e}"
 
 
@@ -234,8 +253,13 @@ def make_task(family: str, r: random.Random, split: str) -> Task:
         p2p_tests.append((f"test_{bug.func}_keeps_{i}", call, value))
 
     imports = f"from {pkg}.{bug.module} import {g}, {bug.func}\n"
-    hidden = '"""Hidden tests (never shown to the agent)."""\n\n' + imports + "".join(
-        f"\n\ndef {name}():\n    assert {call} == {value}\n" for name, call, value in f2p_tests + p2p_tests
+    hidden = (
+        '"""Hidden tests (never shown to the agent)."""\n\n'
+        + imports
+        + "".join(
+            f"\n\ndef {name}():\n    assert {call} == {value}\n"
+            for name, call, value in f2p_tests + p2p_tests
+        )
     )
     visible = f'"""Basic tests."""\n\nfrom {pkg}.{bug.module} import {g}\n\n\ndef test_{g}():\n'
     visible += f"    assert {helper_call} == {check(helper_call)}\n"

@@ -28,7 +28,8 @@ def load_jsonl(path: Path | str) -> list[Task]:
                 tasks.append(Task.model_validate(row))
             except pydantic.ValidationError as e:
                 problems = "; ".join(
-                    f"field {'.'.join(str(x) for x in err['loc']) or '<row>'}: {err['msg']}" for err in e.errors()
+                    f"field {'.'.join(str(x) for x in err['loc']) or '<row>'}: {err['msg']}"
+                    for err in e.errors()
                 )
                 name = row.get("instance_id", "?")
                 raise TaskError(f"{path}:{lineno} (instance {name}): {problems}") from e

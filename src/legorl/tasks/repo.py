@@ -43,7 +43,13 @@ def git_env() -> dict[str, str]:
 
 def git(cwd: Path, *args: str, check: bool = True) -> str:
     proc = subprocess.run(
-        ["git", *GIT_OPTS, *args], cwd=cwd, env=git_env(), capture_output=True, text=True, timeout=120
+        ["git", *GIT_OPTS, *args],
+        cwd=cwd,
+        env=git_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     if check and proc.returncode != 0:
         raise TaskError(f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip()[-1000:]}")
@@ -73,7 +79,7 @@ def _copy_source(task: Task, dest: Path) -> None:
         # `git archive` exports the tree only: nothing of the source's history comes along.
         archive = subprocess.run(
             ["git", *GIT_OPTS, "archive", "--format=tar", task.base_commit],
-            cwd=src, env=git_env(), capture_output=True, timeout=300,
+            cwd=src, env=git_env(), capture_output=True, timeout=300, check=False,
         )  # fmt: skip
         if archive.returncode != 0:
             raise TaskError(

@@ -1,10 +1,11 @@
 """Per-token log-probabilities of a sequence under the trainer's model.
 
-MUST match the engine's definition (legorl/engine/sampling.py: token_logprobs):
-logprob = log_softmax(logits / temperature)[id], and temperature 0 (greedy) means
-the raw log_softmax(logits). If the two disagree, the PPO ratio and the IS weights
-compare different distributions and every mismatch metric lies (LESSONS.md,
-"Sampler/trainer mismatch": temperature).
+MUST match the engine's definition (legorl/engine/sampling.py): logprob =
+log_softmax(logits / temperature)[id], restricted and renormalised to the top-p nucleus
+when top_p < 1; temperature 0 (greedy) means the raw log_softmax(logits). The
+distribution itself is imported from the engine, so there is one definition only. If
+sampler and trainer disagreed, the PPO ratio and the IS weights would compare different
+distributions and every mismatch metric would lie (LESSONS.md, "Sampler/trainer mismatch").
 """
 
 from __future__ import annotations
@@ -12,21 +13,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from legorl.engine.sampling import sampling_logprobs
 
-def scale_logits(logits: Tensor, temperature: float) -> Tensor:
-    """Logits of the sampled distribution, in fp32 (bf16 log_softmax loses ~0.01 nats)."""
-    logits = logits.float()
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    return logits
+# A sampled token that falls outside the trainer's nucleus has logprob -inf there; floor it so
+# ratios and IS weights stay finite (the mismatch metrics then show the disagreement loudly).
+LOGP_FLOOR = -1e4
 
 
-def token_logprobs_and_entropy(logits: Tensor, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """logprob of ``ids`` under softmax(logits / T) and the (detached) entropy at each position."""
-    logp_all = torch.log_softmax(scale_logits(logits, temperature), dim=-1)
-    logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+def token_logprobs_and_entropy(
+    logits: Tensor, ids: Tensor, temperature: float, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Logprob of ``ids`` (already shifted to align with ``logits``) and the detached entropy."""
+    logp_all = sampling_logprobs(logits, temperature, top_p)
+    logp = logp_all.gather(-1, ids.unsqueeze(-1).long()).squeeze(-1)
+    if top_p < 1.0:
+        logp = logp.clamp(min=LOGP_FLOOR)
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        p = logp_all.exp()
+        entropy = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
     return logp, entropy
 
 
@@ -35,6 +39,7 @@ def sequence_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor,
     temperature: float,
+    top_p: float = 1.0,
     **forward_kwargs: object,
 ) -> tuple[Tensor, Tensor]:
     """Logprobs of input_ids[:, 1:] given their prefixes, and the entropy at those positions.
@@ -43,5 +48,4 @@ def sequence_logprobs(
     Padding must be on the right (positions then need no adjustment).
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **forward_kwargs)
-    logits = out.logits[:, :-1, :]
-    return token_logprobs_and_entropy(logits, input_ids[:, 1:], temperature)
+    return token_logprobs_and_entropy(out.logits[:, :-1, :], input_ids[:, 1:], temperature, top_p)

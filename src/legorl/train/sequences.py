@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from legorl.records import LLMCall, TrainingSequence
+from legorl.records import LLMCall, Rollout, TrainingSequence
 
 
 @dataclass
@@ -114,6 +114,19 @@ def build_sequences(
         )
         for s in kept
     ]
+
+
+def build_batch(
+    rollouts: list[Rollout], advantages: list[float | None], include_unsampled: bool = False
+) -> list[TrainingSequence]:
+    """Sequences of many rollouts (with their calls loaded); a None advantage (masked) is skipped."""
+    if len(rollouts) != len(advantages):
+        raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages")
+    out: list[TrainingSequence] = []
+    for r, adv in zip(rollouts, advantages):
+        if adv is not None:
+            out += build_sequences(r.id, r.calls, adv, include_unsampled)
+    return out
 
 
 def merge_stats(calls: list[LLMCall], sequences: list[TrainingSequence]) -> dict[str, float]:

@@ -41,6 +41,7 @@ class Trainer:
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         tis_cap: float | None = 2.0,
@@ -58,7 +59,8 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
-        self.temperature = temperature
+        # Must equal the engine's sampling settings: logprobs are of the distribution sampled from.
+        self.temperature, self.top_p = temperature, top_p
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
@@ -254,7 +256,7 @@ class Trainer:
     def load(self, directory: str | Path) -> None:
         d = Path(directory)
         _load_safetensors_into(self.model, d)
-        state = torch.load(d / STATE_FILE, map_location=self.device, weights_only=False)
+        state = torch.load(d / STATE_FILE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"].cpu())

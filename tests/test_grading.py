@@ -1,0 +1,174 @@
+"""The grader end to end (real bwrap, git, pytest) plus its path policy and JUnit parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
+from legorl.grading.junit import JUnitError
+from legorl.records import Outcome
+from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.tasks import FAMILIES, Task, generate_tasks, prepare_repo
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+
+
+async def gather_limited(coros, limit: int = 3):
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c):
+        async with sem:
+            return await c
+
+    return await asyncio.gather(*(one(c) for c in coros))
+
+
+@needs_bwrap
+def test_gold_resolves_and_empty_diff_does_not_for_every_family(tmp_path: Path) -> None:
+    tasks = generate_tasks(None, 2 * len(FAMILIES), seed=7, split="train")  # two instances per family
+
+    async def main():
+        gold = gather_limited(grade(t, t.patch, work_dir=tmp_path) for t in tasks)
+        empty = gather_limited(grade(t, "", work_dir=tmp_path) for t in tasks[: len(FAMILIES)])
+        return await gold, await empty
+
+    gold, empty = asyncio.run(main())
+    for task, rep in zip(tasks, gold, strict=True):
+        assert rep.outcome == Outcome.RESOLVED and rep.resolved, (task.family, rep.reason, rep.log_tail)
+        assert set(rep.tests.values()) == {"passed"} and rep.collected == len(task.test_ids)
+        assert rep.applied_paths and not rep.dropped_paths and rep.exit_code == 0
+    for task, rep in zip(tasks[: len(FAMILIES)], empty, strict=True):
+        assert rep.outcome == Outcome.UNRESOLVED and not rep.resolved, task.family
+        assert {rep.tests[t] for t in task.FAIL_TO_PASS} == {"failed"}
+        assert {rep.tests[t] for t in task.PASS_TO_PASS} == {"passed"}
+    assert not list(tmp_path.iterdir())  # grading work dirs are cleaned up
+
+
+HACKS = r"""
+cat > conftest.py <<'EOF'
+import pytest
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+EOF
+mkdir -p tests && printf 'def test_anything():\n    assert True\n' > tests/test_hidden.py
+echo 'import os' > sitecustomize.py
+echo 'import sitecustomize' > evil.pth
+printf '[pytest]\naddopts = -p no:junitxml\n' > pytest.ini
+echo '# docs' >> README.md
+git -c user.name=a -c user.email=a@b commit -qam 'agent commit' && echo committed
+"""
+
+
+@needs_bwrap
+def test_test_path_hacks_are_dropped_and_not_resolved(tmp_path: Path) -> None:
+    task = generate_tasks(["wrong_operator"], 1, seed=1, split="train")[0]
+
+    async def main():
+        base = prepare_repo(task, tmp_path / "ws")
+        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
+        try:
+            r = await box.exec(HACKS)
+            assert "committed" in r.output, r.output
+            diff = await workspace_diff(box, base)
+        finally:
+            await box.close()
+        return diff, await grade(task, diff, work_dir=tmp_path / "grade")
+
+    diff, rep = asyncio.run(main())
+    assert "conftest.py" in diff and "README.md" in diff  # committed + untracked changes both captured
+    assert rep.outcome == Outcome.UNRESOLVED and not rep.resolved
+    assert rep.dropped_paths == sorted(
+        ["conftest.py", "evil.pth", "pytest.ini", "sitecustomize.py", "tests/test_hidden.py"]
+    )
+    assert rep.applied_paths == ["README.md"]
+    assert rep.tests[task.FAIL_TO_PASS[0]] == "failed"
+
+
+@needs_bwrap
+def test_agent_fix_via_workspace_diff_resolves(tmp_path: Path) -> None:
+    task = generate_tasks(["wrong_return"], 1, seed=3, split="train")[0]
+
+    async def main():
+        base = prepare_repo(task, tmp_path / "ws")
+        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
+        try:
+            await box.write_file("/tmp/fix.patch", task.patch)
+            assert (await box.exec("git apply /tmp/fix.patch && echo 'notes' > NOTES.md")).returncode == 0
+            diff = await workspace_diff(box, base)
+        finally:
+            await box.close()
+        return diff, await grade(task, diff, work_dir=tmp_path / "grade")
+
+    _, rep = asyncio.run(main())
+    assert rep.resolved and rep.outcome == Outcome.RESOLVED, (rep.reason, rep.log_tail)
+    assert "NOTES.md" in rep.applied_paths
+
+
+@needs_bwrap
+def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
+    task = generate_tasks(["off_by_one"], 1, seed=2, split="train")[0]
+    mod = next(p for p in task.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
+    garbage = (
+        f"diff --git a/{mod} b/{mod}\n--- a/{mod}\n+++ b/{mod}\n@@ -1,1 +1,1 @@\n-nothing like this\n+x\n"
+    )
+    syntax = f"diff --git a/{mod} b/{mod}\n--- a/{mod}\n+++ b/{mod}\n@@ -1,1 +1,2 @@\n" + (
+        f"-{task.files[mod].splitlines()[0]}\n+def broken(:\n+    pass\n"
+    )
+    no_repo = Task(instance_id="x", repo="x", repo_path="/nonexistent/repo.tar.gz", problem_statement="p")
+
+    async def main():
+        return await asyncio.gather(
+            grade(task, garbage, work_dir=tmp_path),
+            grade(task, syntax, work_dir=tmp_path),
+            grade(no_repo, "", work_dir=tmp_path),
+        )
+
+    not_applied, broken, infra = asyncio.run(main())
+    assert not_applied.outcome == Outcome.UNRESOLVED and not_applied.reason == "patch did not apply"
+    assert broken.outcome == Outcome.UNRESOLVED and not broken.resolved
+    assert all(s in ("error", "missing", "failed") for s in broken.tests.values())
+    assert infra.outcome == Outcome.GRADER_ERROR and "nonexistent" in infra.reason
+
+
+def test_filter_diff_policy() -> None:
+    diff = (
+        "diff --git a/src/m.py b/src/m.py\n--- a/src/m.py\n+++ b/src/m.py\n@@ -1 +1 @@\n-a\n+b\n"
+        "diff --git a/pkg/conftest.py b/pkg/conftest.py\nnew file mode 100644\n--- /dev/null\n"
+        "+++ b/pkg/conftest.py\n@@ -0,0 +1 @@\n+x\n"
+        "diff --git a/lib/link.py b/lib/link.py\nnew file mode 120000\n--- /dev/null\n+++ b/lib/link.py\n"
+        "@@ -0,0 +1 @@\n+../tests/test_hidden.py\n\\ No newline at end of file\n"
+        'diff --git "a/we ird/x_test.py" "b/we ird/x_test.py"\n--- "a/we ird/x_test.py"\n'
+        '+++ "b/we ird/x_test.py"\n@@ -1 +1 @@\n-a\n+b\n'
+        "diff --git a/old.py b/tests/moved.py\nsimilarity index 100%\nrename from old.py\nrename to tests/moved.py\n"
+        "diff --git a/doc.md b/doc.md\n--- a/doc.md\n+++ b/doc.md\n@@ -1,2 +1,2 @@\n--- a/tests/x.py\n+ok\n"
+    )
+    kept, applied, dropped = filter_diff(diff)
+    assert applied == ["doc.md", "src/m.py"]
+    assert dropped == ["lib/link.py", "old.py", "pkg/conftest.py", "tests/moved.py", "we ird/x_test.py"]
+    assert "conftest" not in kept and kept.startswith("diff --git a/src/m.py")
+    _, applied, dropped = filter_diff("--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-a\n+b\n", protected={"m.py"})
+    assert (applied, dropped) == ([], ["m.py"])
+
+
+def test_junit_mapping_and_garbled_reports(tmp_path: Path) -> None:
+    assert junit_key("tests/test_hidden.py::test_x") == ("tests.test_hidden", "test_x")
+    assert junit_key("tests/a/test_b.py::TestC::test_d[1-2]") == ("tests.a.test_b.TestC", "test_d[1-2]")
+    report = tmp_path / "j.xml"
+    report.write_text(
+        '<testsuites><testsuite><testcase classname="t.m" name="ok"/>'
+        '<testcase classname="t.m" name="bad"><failure message="x"/></testcase>'
+        '<testcase classname="t.m" name="ok"><error message="teardown"/></testcase>'
+        '<testcase classname="t.m" name="sk"><skipped/></testcase></testsuite></testsuites>'
+    )
+    assert parse_junit(report) == {("t.m", "ok"): "error", ("t.m", "bad"): "failed", ("t.m", "sk"): "skipped"}
+    report.write_text("<testsuites><testcase")
+    with pytest.raises(JUnitError, match="not valid XML"):
+        parse_junit(report)
+    with pytest.raises(JUnitError, match="no JUnit"):
+        parse_junit(tmp_path / "none.xml")

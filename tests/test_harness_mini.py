@@ -1,0 +1,86 @@
+"""mini-swe-agent, unmodified, through the proxy, in a real bubblewrap sandbox, graded for real."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from legorl.config import HarnessConfig
+from legorl.engine import ScriptedEngine
+from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+from legorl.proxy.server import Proxy
+from legorl.records import Outcome
+from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.store import Store
+from legorl.tasks import builtin_splits
+from legorl.tasks.teacher import teacher_script
+
+
+async def _episodes(tokenizer, run_dir: Path, scripts):
+    store = Store(run_dir / "store.sqlite")
+    engine = ScriptedEngine(tokenizer)
+    proxy = Proxy(engine, tokenizer, on_call=store.add_call)
+    await proxy.start(unix_socket=run_dir / "s" / "proxy.sock")
+    harness = MiniSweAgentHarness(HarnessConfig(step_limit=8), command_timeout=20, log_dir=run_dir / "logs")
+    await harness.start()
+    train, _ = builtin_splits(3, 0, seed=5)
+    try:
+        out = []
+        for i, (task, script) in enumerate(zip(train, scripts)):
+            ctx = EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=run_dir, label="test",
+                                 agent_timeout=120, grading_timeout=60, hide_paths=[run_dir],
+                                 script_for=script)
+            out.append((task, await run_episode(ctx, task, step=0, group_id=f"g{i}", sample_index=0)))
+        return out, store
+    finally:
+        await harness.close()
+        await proxy.stop()
+
+
+def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenizer, tmp_path):
+    def broken(task):  # an "agent" that says it is done without calling any tool
+        return ["I think it is fine."] * 3
+
+    results, store = asyncio.run(_episodes(
+        tokenizer, tmp_path, [teacher_script, lambda t: teacher_script(t, solve=False), broken]))
+    (t_ok, good), (_, wrong), (_, no_tool) = results
+
+    assert good.outcome == Outcome.RESOLVED, (good.outcome_reason, good.report)
+    assert good.reward == 1.0
+    assert good.report.tests and all(v == "passed" for v in good.report.tests.values())
+    assert "-" + t_ok.patch.split("\n-")[1].split("\n")[0].lstrip("-") in good.diff  # the sed edit is the diff
+    assert len(good.calls) == 5  # grep, cat, sed, pytest, submit
+    assert [c.parent_index for c in good.calls] == [None, 0, 1, 2, 3]  # one token-exact chain
+
+    assert wrong.outcome == Outcome.UNRESOLVED and wrong.reward == 0.0
+    assert wrong.diff.strip() == ""
+
+    # no tool call twice in a row: mini stops with RepeatedFormatError; graded, reward 0
+    assert no_tool.outcome == Outcome.UNRESOLVED and no_tool.reward == 0.0
+
+    rep = store.report(decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    assert rep["fidelity"]["violations"] == 0 and rep["fidelity"]["checked"] == rep["llm_calls"] > 0
+
+
+def test_harness_without_model_calls_is_not_a_success(tokenizer, tmp_path):
+    """mini exits before its first call (its template fails to render): no_model_calls, masked, no reward."""
+    async def main():
+        store = Store(tmp_path / "store.sqlite")
+        engine = ScriptedEngine(tokenizer)
+        proxy = Proxy(engine, tokenizer, on_call=store.add_call)
+        await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
+        cfg = HarnessConfig(instance_template="{{ no_such_variable }}")
+        harness = MiniSweAgentHarness(cfg, command_timeout=20, log_dir=tmp_path / "logs")
+        await harness.start()
+        task = builtin_splits(1, 0, seed=9)[0][0]
+        ctx = EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=tmp_path, label="t",
+                             agent_timeout=60, grading_timeout=60, hide_paths=[tmp_path])
+        try:
+            return await run_episode(ctx, task, step=0, group_id="g", sample_index=0)
+        finally:
+            await harness.close()
+            await proxy.stop()
+
+    r = asyncio.run(main())
+    assert r.outcome == Outcome.NO_MODEL_CALLS, r.outcome_reason
+    assert r.reward is None and r.report is None
