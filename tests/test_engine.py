@@ -25,6 +25,15 @@ from legorl.models import IM_END, ModelSpec, build_model, build_tokenizer, rende
 from legorl.records import GenerationResult, SamplingParams
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # OpenMP threads spin-wait; on a shared 2-core box that turns a 0.5 s test into 40 s.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory):
     return build_tokenizer(Path(tmp_path_factory.mktemp("tok")))

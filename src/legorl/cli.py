@@ -17,7 +17,7 @@ from rich.table import Table
 
 from legorl.config import ConfigError, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL for LLM coding agents inside the harnesses people already use.")
 console = Console(stderr=True)
 

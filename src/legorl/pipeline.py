@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -32,9 +33,12 @@ from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.sandbox import reap_orphans
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits, load_jsonl
-from legorl.train import Trainer, build_sequences, group_advantages, merge_stats
+from legorl.train.advantages import group_advantages
+from legorl.train.sequences import build_sequences, merge_stats
+from legorl.train.trainer import Trainer
 
 console = Console(stderr=True)
+transformers.utils.logging.disable_progress_bar()  # the run has its own progress display
 
 
 def model_spec(cfg: Config) -> ModelSpec:

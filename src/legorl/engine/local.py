@@ -282,7 +282,7 @@ class LocalEngine:
         """One batched forward for all active rows; finished and cancelled rows leave afterwards."""
         try:
             ids = torch.tensor([[r.completion[-1]] for r in self._rows], dtype=torch.long, device=self._device)
-            pos = self._mask.sum(dim=1, keepdim=True)  # real tokens so far = position of the fed token
+            pos = torch.full((len(self._rows), 1), self._mask.shape[1], device=self._device)  # real tokens so far = position of the fed token
             mask = torch.cat([self._mask, torch.ones_like(pos)], dim=1)
             cache = DynamicCache(ddp_cache_data=self._kv)
             with torch.inference_mode():

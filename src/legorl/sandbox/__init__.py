@@ -1,8 +1,9 @@
 """Sandboxes: a bubblewrap sandbox per rollout, reached through a control socket."""
 
+from legorl.sandbox.base import Sandbox
 from legorl.sandbox.client import ExecResult, SandboxClient, SandboxError
 
-__all__ = ["BwrapSandbox", "ExecResult", "SandboxClient", "SandboxError", "reap_orphans"]
+__all__ = ["BwrapSandbox", "ExecResult", "Sandbox", "SandboxClient", "SandboxError", "reap_orphans"]
 
 
 def __getattr__(name: str):  # lazy: the client stays importable without asyncio machinery

@@ -42,6 +42,12 @@ PROXY_SOCKET_INSIDE = f"{INSIDE_CTL}/proxy.sock"
 # Host top-level entries never shown inside: replaced by fresh mounts or meaningless there.
 _SKIP_TOP = {"proc", "dev", "tmp", "run", "workspace", "lost+found", "old_root"}
 _READ_LIMIT = 64 * 1024 * 1024  # one JSON reply line may carry a large command output
+# Host credentials never belong in a sandbox (HOME inside is /tmp, so nothing needs them).
+DEFAULT_HIDDEN = tuple(
+    Path.home() / p
+    for p in (".ssh", ".aws", ".azure", ".gnupg", ".docker", ".kube", ".netrc", ".git-credentials", ".config",
+              ".cache/huggingface", ".huggingface")
+)  # fmt: skip
 
 
 def host_python() -> str:
@@ -84,7 +90,7 @@ def bwrap_argv(
         else:
             argv += ["--ro-bind", str(host), f"/{entry}"]
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-    for hidden in hide_paths:
+    for hidden in (*DEFAULT_HIDDEN, *hide_paths):
         hidden = Path(hidden).resolve()
         if hidden.is_dir():
             argv += ["--tmpfs", str(hidden)]

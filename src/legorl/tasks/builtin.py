@@ -220,6 +220,12 @@ def _evaluate(code: str, call: str) -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {e}"
 
 
+def _require(cond: bool, family: str, what: str) -> None:
+    # Generator self-checks: a family that can emit an unsolvable or bug-free instance is a bug here.
+    if not cond:
+        raise RuntimeError(f"built-in family {family}: {what}")
+
+
 def unified_diff(path: str, old: str, new: str) -> str:
     """A `git diff`-style patch (a/ b/ prefixes) from old to new content of one file."""
     body = difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}")
@@ -228,7 +234,7 @@ def unified_diff(path: str, old: str, new: str) -> str:
 
 def make_task(family: str, r: random.Random, split: str) -> Task:
     bug = FAMILIES[family](r)
-    assert bug.code.count(bug.good) == 1, (family, bug.good)
+    _require(bug.code.count(bug.good) == 1, family, f"{bug.good!r} must occur once")
     pkg = f"pkg_{r.choice(WORDS)}{r.randint(10, 99)}"
     names, helper_src, helper_call = r.choice(_HELPERS)
     g = r.choice(names)
@@ -239,17 +245,17 @@ def make_task(family: str, r: random.Random, split: str) -> Task:
 
     def check(call: str) -> str:
         ok, value = _evaluate(good_code, call)
-        assert ok, (family, call, value)
+        _require(ok, family, f"{call} fails on the fixed code: {value}")
         return value
 
     f2p_tests, p2p_tests = [], []
     for i, call in enumerate(bug.f2p):
         value = check(call)
-        assert _evaluate(bad_code, call) != (True, value), (family, call)
+        _require(_evaluate(bad_code, call) != (True, value), family, f"{call} does not expose the bug")
         f2p_tests.append((f"test_{bug.func}_{i}", call, value))
     for i, call in enumerate([*bug.p2p, helper_call]):
         value = check(call)
-        assert _evaluate(bad_code, call) == (True, value), (family, call)
+        _require(_evaluate(bad_code, call) == (True, value), family, f"{call} changes with the bug")
         p2p_tests.append((f"test_{bug.func}_keeps_{i}", call, value))
 
     imports = f"from {pkg}.{bug.module} import {g}, {bug.func}\n"
@@ -324,5 +330,6 @@ def builtin_splits(n_train: int, n_heldout: int, seed: int) -> tuple[list[Task],
     train = generate_tasks(None, n_train, seed, "train")
     heldout = generate_tasks(None, n_heldout, seed + 7919, "heldout", exclude={t.instance_id for t in train})
     train_content = {json.dumps(t.files, sort_keys=True) for t in train}
-    assert not train_content & {json.dumps(t.files, sort_keys=True) for t in heldout}
+    if train_content & {json.dumps(t.files, sort_keys=True) for t in heldout}:
+        raise RuntimeError("built-in train and held-out splits share an instance")
     return train, heldout
