@@ -1,38 +1,57 @@
 # `make demo` and `make test` each set up everything they need from nothing:
-# bubblewrap (via apt when root), a .venv with torch (CPU build) and legorl, then run.
+# Debian packages via apt when root, a .venv with torch (CPU build) and legorl,
+# the harness CLIs from npm (for tests), then run.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.legorl-setup
+NPM_PREFIX := $(VENV)/npm
+CLAUDE_CODE_VERSION := 2.1.332
+CODEX_VERSION := 0.171.0
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup setup-test demo test test-all lint clean
 
-setup: $(STAMP)
+define apt_need
+	@missing=""; for pair in $(1); do cmd=$${pair%%:*}; pkg=$${pair##*:}; \
+	  command -v $$cmd >/dev/null || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "legorl needs:$$missing (sudo apt-get install -y$$missing)" >&2; exit 1; fi; fi
+endef
 
-$(STAMP): pyproject.toml Makefile
-	@if ! command -v bwrap >/dev/null || ! command -v git >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap git >/dev/null; \
-	  else echo "legorl needs bubblewrap and git: sudo apt-get install -y bubblewrap git" >&2; exit 1; fi; fi
+setup: $(VENV)/.setup
+
+$(VENV)/.setup: pyproject.toml Makefile
+	$(call apt_need,bwrap:bubblewrap git:git)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[harness]'
+	@touch $@
+
+setup-test: setup $(VENV)/.setup-test
+
+$(VENV)/.setup-test: pyproject.toml Makefile
+	$(call apt_need,chromium:chromium node:nodejs npm:npm)
 	$(PY) -m pip install -q -e '.[harness,dev]'
-	@touch $(STAMP)
+	npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) \
+	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
+	@touch $@
 
 demo: setup
 	$(VENV)/bin/legorl train --config configs/demo.yaml --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 
-test: setup
+test: setup-test
 	$(VENV)/bin/legorl doctor
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: setup
+test-all: setup-test
 	$(PY) -m pytest -q
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check src tests bench
 
 clean:

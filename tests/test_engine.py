@@ -44,19 +44,27 @@ def model(tok):
     return build_model(ModelSpec(num_layers=2, seed=1), tok)
 
 
+def no_stop_engine(model, tok, **kw: Any) -> LocalEngine:
+    """No default stop ids: a random model may emit <|im_end|> anywhere, and these tests count tokens."""
+    return LocalEngine(model, tok, stop_token_ids=[], **kw)
+
+
 def run_with_engine(engine: Any, fn: Callable[[Any], Awaitable[Any]]) -> Any:
     async def main() -> Any:
         try:
             return await fn(engine)
         finally:
             await engine.close()
+
     return asyncio.run(main())
 
 
 def prompts(tok, n: int) -> list[list[int]]:
     # Different lengths on purpose: batching must left-pad and position rows correctly.
-    return [tok.encode(f"<|im_start|>user\nFix bug {i} in {'x' * (3 * i)}.py<|im_end|>\n<|im_start|>assistant\n")
-            for i in range(n)]
+    return [
+        tok.encode(f"<|im_start|>user\nFix bug {i} in {'x' * (3 * i)}.py<|im_end|>\n<|im_start|>assistant\n")
+        for i in range(n)
+    ]
 
 
 def greedy(max_tokens: int = 24, **kw: Any) -> SamplingParams:
@@ -111,7 +119,7 @@ def test_greedy_and_seeded_determinism_and_lengths(model, tok) -> None:
         s3 = await eng.generate(p, SamplingParams(temperature=1.0, max_tokens=24, seed=6, stop_token_ids=[]))
         return g1, g2, s1, s2, s3
 
-    g1, g2, s1, s2, s3 = run_with_engine(LocalEngine(model, tok), go)
+    g1, g2, s1, s2, s3 = run_with_engine(no_stop_engine(model, tok), go)
     for r in (g1, g2, s1, s2, s3):
         assert len(r.completion_ids) == len(r.logprobs) > 0
         assert all(isinstance(t, int) for t in r.completion_ids) and all(lp <= 0 for lp in r.logprobs)
@@ -122,9 +130,12 @@ def test_greedy_and_seeded_determinism_and_lengths(model, tok) -> None:
 
 def test_concurrent_requests_match_solo(model, tok) -> None:
     ps = prompts(tok, 6)
-    params = [greedy(20 + 3 * i) if i % 2 else
-              SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30 - i, seed=i, stop_token_ids=[])
-              for i in range(6)]
+    params = [
+        greedy(20 + 3 * i)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30 - i, seed=i, stop_token_ids=[])
+        for i in range(6)
+    ]
 
     async def go(eng: LocalEngine):
         solo = [await eng.generate(p, sp) for p, sp in zip(ps, params, strict=True)]
@@ -133,10 +144,11 @@ def test_concurrent_requests_match_solo(model, tok) -> None:
         async def late(i: int) -> GenerationResult:  # join a batch that is already decoding
             await asyncio.sleep(0.02 * i)
             return await eng.generate(ps[i], params[i])
+
         staggered = await asyncio.gather(*[late(i) for i in range(6)])
         return solo, together, staggered
 
-    solo, together, staggered = run_with_engine(LocalEngine(model, tok, max_batch=4), go)
+    solo, together, staggered = run_with_engine(no_stop_engine(model, tok, max_batch=4), go)
     for a, b, c in zip(solo, together, staggered, strict=True):
         assert_same(a, b)
         assert_same(a, c)
@@ -151,7 +163,7 @@ def test_logprobs_match_full_forward(model, tok, temperature: float, top_p: floa
     async def go(eng: LocalEngine):
         return await asyncio.gather(*[eng.generate(p, sp) for p in ps])
 
-    for p, res in zip(ps, run_with_engine(LocalEngine(model, tok), go), strict=True):
+    for p, res in zip(ps, run_with_engine(no_stop_engine(model, tok), go), strict=True):
         ref = recompute(model, p, res, temperature, top_p)
         assert torch.allclose(ref, torch.tensor(res.logprobs), atol=1e-4)
 
@@ -168,10 +180,12 @@ def test_stop_strings_keep_tokens(model, tok) -> None:
         stopped = await eng.generate(p, greedy(40, stop=[stop]))
         return full, stop, stopped
 
-    full, stop, stopped = run_with_engine(LocalEngine(model, tok), go)
+    full, stop, stopped = run_with_engine(no_stop_engine(model, tok), go)
     n = len(stopped.completion_ids)
     assert stopped.finish_reason == "stop"
-    assert stopped.completion_ids == full.completion_ids[:n] and stopped.logprobs == pytest.approx(full.logprobs[:n])
+    assert stopped.completion_ids == full.completion_ids[:n] and stopped.logprobs == pytest.approx(
+        full.logprobs[:n]
+    )
     assert stop in tok.decode(stopped.completion_ids) and stop not in tok.decode(stopped.completion_ids[:-1])
 
 
@@ -183,7 +197,7 @@ def test_stop_token_is_included(model, tok) -> None:
         stop_id = full.completion_ids[3]
         return full, stop_id, await eng.generate(p, greedy(12, stop_token_ids=[stop_id]))
 
-    full, stop_id, res = run_with_engine(LocalEngine(model, tok), go)
+    full, stop_id, res = run_with_engine(no_stop_engine(model, tok), go)
     first = full.completion_ids.index(stop_id)
     assert res.finish_reason == "stop" and res.completion_ids == full.completion_ids[: first + 1]
     assert len(res.logprobs) == first + 1 and res.logprobs[-1] == pytest.approx(full.logprobs[first])
@@ -209,7 +223,7 @@ def test_max_tokens_and_context_limits(tok) -> None:
         ok = await eng.generate([5] * 3, greedy(2))  # the engine still serves after bad requests
         return length, capped, edge, ok
 
-    length, capped, edge, ok = run_with_engine(LocalEngine(small, tok), go)
+    length, capped, edge, ok = run_with_engine(no_stop_engine(small, tok), go)
     assert length.finish_reason == "length" and len(length.completion_ids) == 4
     assert capped.finish_reason == "length" and len(capped.completion_ids) == 3
     assert edge.finish_reason == "length" and len(edge.completion_ids) == 1
@@ -233,7 +247,7 @@ def test_update_weights_between_steps(tok) -> None:
             await eng.update_weights({"model.norm.weight": torch.zeros(3)})
         return before, await inflight, version, after
 
-    before, inflight, version, after = run_with_engine(LocalEngine(m, tok), go)
+    before, inflight, version, after = run_with_engine(no_stop_engine(m, tok), go)
     assert version == 1 and before.weight_version == 0 and after.weight_version == 1
     assert inflight.weight_version == 0 and len(inflight.completion_ids) == 60  # never spans two versions
     assert before.completion_ids[:8] == inflight.completion_ids[:8]
@@ -257,7 +271,7 @@ def test_cancel_and_close(model, tok) -> None:
             await eng.generate(p, greedy(3))
         return res
 
-    assert len(run_with_engine(LocalEngine(model, tok), go).completion_ids) == 3
+    assert len(run_with_engine(no_stop_engine(model, tok), go).completion_ids) == 3
 
 
 def test_scripted_engine(tok) -> None:
@@ -283,3 +297,17 @@ def test_scripted_engine(tok) -> None:
         assert res.logprobs == [0.0] * len(res.completion_ids)
         assert res.finish_reason == "stop" and not res.sampled_from_policy
     assert version == 1
+
+
+def test_moe_model_generates_batched(tok) -> None:
+    moe = build_model(ModelSpec(num_layers=1, moe=True, num_experts=4, num_experts_per_tok=2), tok)
+    ps = prompts(tok, 3)
+
+    async def go(eng: LocalEngine):
+        solo = [await eng.generate(p, greedy(6)) for p in ps]
+        return solo, await asyncio.gather(*[eng.generate(p, greedy(6)) for p in ps])
+
+    solo, together = run_with_engine(no_stop_engine(moe, tok), go)
+    for a, b in zip(solo, together, strict=True):
+        assert_same(a, b)
+        assert len(a.completion_ids) == 6

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ import pytest
 from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
 from legorl.grading.junit import JUnitError
 from legorl.records import Outcome
-from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.bwrap import BwrapSandbox, process_tree
 from legorl.tasks import FAMILIES, Task, generate_tasks, prepare_repo
+from legorl.tasks.builtin import unified_diff
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
@@ -61,7 +64,7 @@ echo 'import os' > sitecustomize.py
 echo 'import sitecustomize' > evil.pth
 printf '[pytest]\naddopts = -p no:junitxml\n' > pytest.ini
 echo '# docs' >> README.md
-git -c user.name=a -c user.email=a@b commit -qam 'agent commit' && echo committed
+git commit -qam 'agent commit' && echo committed
 """
 
 
@@ -172,3 +175,62 @@ def test_junit_mapping_and_garbled_reports(tmp_path: Path) -> None:
         parse_junit(report)
     with pytest.raises(JUnitError, match="no JUnit"):
         parse_junit(tmp_path / "none.xml")
+
+
+def _as_test_patch(task: Task) -> Task:
+    """The same task with SWE-bench style hidden tests: a test_patch that edits an existing test file."""
+    path = "tests/test_basic.py"
+    old = task.files[path]
+    hidden = task.hidden_files["tests/test_hidden.py"]
+    body = hidden.split("\n\n", 1)[1]  # drop the docstring line, keep the import + tests
+    new = old + "\n\n" + body
+    patch = unified_diff(path, old, new)
+    ids = [t.replace("tests/test_hidden.py", path) for t in task.test_ids]
+    n = len(task.FAIL_TO_PASS)
+    return task.model_copy(
+        update={"hidden_files": {}, "test_patch": patch, "FAIL_TO_PASS": ids[:n], "PASS_TO_PASS": ids[n:]}
+    )
+
+
+@needs_bwrap
+def test_swebench_style_test_patch(tmp_path: Path) -> None:
+    task = _as_test_patch(generate_tasks(["wrong_constant"], 1, seed=4, split="train")[0])
+    mod = next(p for p in task.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
+    # The agent rewrote the visible test file: dropped, and the file is restored from the base commit.
+    tamper = unified_diff(
+        "tests/test_basic.py", task.files["tests/test_basic.py"], "def test_x():\n    pass\n"
+    )
+
+    async def main():
+        return await asyncio.gather(
+            grade(task, task.patch + tamper, work_dir=tmp_path), grade(task, "", work_dir=tmp_path)
+        )
+
+    gold, empty = asyncio.run(main())
+    assert gold.resolved, (gold.reason, gold.log_tail)
+    assert gold.applied_paths == [mod] and gold.dropped_paths == ["tests/test_basic.py"]
+    assert empty.outcome == Outcome.UNRESOLVED and empty.tests[task.FAIL_TO_PASS[0]] == "failed"
+
+
+@needs_bwrap
+def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
+    from legorl.sandbox.client import SandboxError
+
+    async def main():
+        (tmp_path / "ws").mkdir()
+        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="x")
+        try:
+            agent = [
+                p
+                for p in process_tree(box.pid)
+                if b"sandbox_agent" in Path(f"/proc/{p}/cmdline").read_bytes()
+            ]
+            os.kill(agent[0], signal.SIGKILL)
+            with pytest.raises(SandboxError):
+                await box.exec("echo hi", timeout=5)
+            with pytest.raises(SandboxError):
+                await workspace_diff(box)
+        finally:
+            await box.close()
+
+    asyncio.run(main())

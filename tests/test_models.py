@@ -25,10 +25,20 @@ from legorl.models import (
 )
 from legorl.models.corpus import generate_corpus
 
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"command": {"type": "string"}},
-                                                          "required": ["command"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +87,35 @@ def test_special_and_tool_tokens_are_single_ids(tok) -> None:
     assert not set(TOOL_TOKENS) & set(tok.all_special_tokens)
     # Tool tokens are not special: skipping special tokens keeps them and drops <|im_end|>.
     text = "<tool_call>\nx\n</tool_call><|im_end|>"
-    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == \
-        "<tool_call>\nx\n</tool_call>"
+    assert (
+        tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True)
+        == "<tool_call>\nx\n</tool_call>"
+    )
     # Compression sanity: agent-ish text costs well under one token per byte.
     code = "def compute_total(items: list[int]) -> int:\n    return sum(items)\n"
     assert len(tok.encode(code, add_special_tokens=False)) < len(code.encode()) / 2
 
 
-NASTY = ["", " ", "\n\n\n", "\t  \t", "héllo wörld", "日本語のテキスト", "🤖🔥👨‍👩‍👧", "\x00\x01\x7f", "\u200b\ufeff",
-         "a<|im_end|>b", "<|im_start|>user\nhi<|im_end|>\n", "<tool_call>{}</tool_call>", "  leading",
-         "trailing  ", "\r\n", "Ω≈ç√∫", "\U0010ffff", "def f():\n\treturn '\\n'"]
+NASTY = [
+    "",
+    " ",
+    "\n\n\n",
+    "\t  \t",
+    "héllo wörld",
+    "日本語のテキスト",
+    "🤖🔥👨‍👩‍👧",
+    "\x00\x01\x7f",
+    "\u200b\ufeff",
+    "a<|im_end|>b",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<tool_call>{}</tool_call>",
+    "  leading",
+    "trailing  ",
+    "\r\n",
+    "Ω≈ç√∫",
+    "\U0010ffff",
+    "def f():\n\treturn '\\n'",
+]
 
 
 @pytest.mark.parametrize("s", NASTY)
@@ -104,9 +133,13 @@ def test_render_example(tok) -> None:
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Fix "}, {"type": "text", "text": "it"}]},
-        {"role": "assistant", "content": "Let me look.",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
     ]
     out = render(tok, msgs, TOOLS, gen=True)
@@ -125,7 +158,11 @@ def test_render_example(tok) -> None:
 
 def test_render_tool_call_text_matches_template(tok) -> None:
     for args in [{"command": "grep -rn 'é' .", "n": [1, 2]}, '{"command":  "ls"}', {}]:
-        msg = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "bash", "arguments": args}}]}
+        msg = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "bash", "arguments": args}}],
+        }
         assert render(tok, [msg]) == f"{IM_START}assistant\n{render_tool_call_text('bash', args)}{IM_END}\n"
     # A string is verbatim (not re-serialised).
     assert '"arguments": {"command":  "ls"}}' in render_tool_call_text("bash", '{"command":  "ls"}')
@@ -133,24 +170,40 @@ def test_render_tool_call_text_matches_template(tok) -> None:
 
 # Random conversations for the token-bridge property.
 _text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
-_args = st.one_of(st.dictionaries(st.sampled_from(["command", "path", "n"]), _text, max_size=2),
-                  _text.map(lambda s: json.dumps({"command": s})))
-_call = st.builds(lambda n, a: {"type": "function", "function": {"name": n, "arguments": a}},
-                  st.sampled_from(["bash", "read_file"]), _args)
-_content = st.one_of(st.none(), _text, st.lists(st.builds(lambda t: {"type": "text", "text": t}, _text), max_size=2))
-_assistant = st.builds(lambda c, calls: {"role": "assistant", "content": c, "tool_calls": calls},
-                       st.one_of(st.none(), _text), st.lists(_call, max_size=2))
-_other = st.one_of(st.builds(lambda c: {"role": "user", "content": c}, _content),
-                   st.builds(lambda c: {"role": "tool", "content": c}, _content))
+_args = st.one_of(
+    st.dictionaries(st.sampled_from(["command", "path", "n"]), _text, max_size=2),
+    _text.map(lambda s: json.dumps({"command": s})),
+)
+_call = st.builds(
+    lambda n, a: {"type": "function", "function": {"name": n, "arguments": a}},
+    st.sampled_from(["bash", "read_file"]),
+    _args,
+)
+_content = st.one_of(
+    st.none(), _text, st.lists(st.builds(lambda t: {"type": "text", "text": t}, _text), max_size=2)
+)
+_assistant = st.builds(
+    lambda c, calls: {"role": "assistant", "content": c, "tool_calls": calls},
+    st.one_of(st.none(), _text),
+    st.lists(_call, max_size=2),
+)
+_other = st.one_of(
+    st.builds(lambda c: {"role": "user", "content": c}, _content),
+    st.builds(lambda c: {"role": "tool", "content": c}, _content),
+)
 _conversation = st.tuples(
-    st.one_of(st.none(), _text), st.lists(st.one_of(_assistant, _other), min_size=1, max_size=7), st.booleans()
+    st.one_of(st.none(), _text),
+    st.lists(st.one_of(_assistant, _other), min_size=1, max_size=7),
+    st.booleans(),
 )
 
 
 def _assistant_text(msg: dict) -> str:
     """What the model samples for this turn (before <|im_end|>), built from the tool-call helper."""
     content = msg["content"] or ""
-    blocks = [render_tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+    blocks = [
+        render_tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
+    ]
     return "\n".join([content, *blocks]) if content else "\n".join(blocks)
 
 

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -38,11 +39,67 @@ def train(
         cfg = load_config(config, list(ctx.args))
     except ConfigError as e:
         _fail(str(e))
-    from legorl.pipeline import run_training
+    from legorl.pipeline import run_job
 
     console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
-    asyncio.run(run_training(cfg, run_dir))
-    console.print(f"done. report: legorl report {run_dir} --json")
+    summary = asyncio.run(run_job(cfg, run_dir))
+    console.print(f"done in {summary['wall_time_s']:.0f}s. summary: {run_dir / 'summary.json'}; "
+                  f"report: legorl report {run_dir} --json")
+
+
+@app.command("eval", context_settings={"allow_extra_args": True})
+def evaluate(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config (harness, tasks, sampling)")],
+    model: Annotated[Path | None, typer.Option("--model", help="a local model directory (e.g. RUN/checkpoints/latest)")]
+    = None,
+    split: Annotated[str, typer.Option("--split", help="heldout | train")] = "heldout",
+    samples: Annotated[int, typer.Option("--samples", "-k", help="samples per task: reports pass@1 and pass@k")] = 1,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where to record the eval rollouts")] = None,
+) -> None:
+    """Evaluate a model on a task split through the real harness: pass@1, pass@k, outcome counts."""
+    overrides = list(ctx.args) + [f"eval.split={split}", f"eval.samples={samples}"]
+    if model is not None:
+        overrides.append(f"model.path={model.resolve()}")
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    from legorl.pipeline import Driver
+
+    async def main() -> dict:
+        async with Driver(cfg, run_dir or Path(tempfile.mkdtemp(prefix="legorl-eval-"))) as driver:
+            return await driver.evaluate(step=0)
+
+    metrics = asyncio.run(main())
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet")] = "jsonl",
+    out: Annotated[Path | None, typer.Option("--out", help="output file (default RUN_DIR/calls.FORMAT)")] = None,
+) -> None:
+    """Write every captured call (token ids, logprobs, request, outcome of its rollout) for other tools."""
+    from legorl.store import Store
+
+    if fmt not in ("jsonl", "parquet"):
+        _fail(f"--format must be jsonl or parquet, not {fmt!r}")
+    db = run_dir / "store.sqlite"
+    if not db.is_file():
+        _fail(f"{run_dir} has no store.sqlite: is it a run directory written by `legorl train`?")
+    out = out or run_dir / f"calls.{fmt}"
+    store = Store(db)
+    if fmt == "jsonl":
+        n = store.export_calls_jsonl(out)
+    else:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            _fail("parquet export needs pyarrow: pip install pyarrow")
+        n = store.export_calls_parquet(out)
+    console.print(f"wrote {n} calls to {out}")
 
 
 @app.command()
@@ -118,6 +175,10 @@ def doctor() -> None:
     Console().print(t)
     if not all(ok for _, ok, _, required in rows if required):
         raise typer.Exit(1)
+
+
+# ---- commands that live with their part (each module keeps its imports light) -------------------
+# One line per command: app.command("name")(function) or app.add_typer(sub_app, name="name").
 
 
 def main() -> None:

@@ -99,6 +99,26 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = Field(4096, gt=0)
 
 
+class SFTConfig(_Section):
+    """Warm start on teacher demonstrations captured through the real harness."""
+
+    enabled: bool = False
+    demos: int = Field(32, ge=0)  # teacher episodes (train-split tasks, cycled)
+    epochs: int = Field(2, ge=0)
+    lr: float = Field(1e-3, ge=0.0)
+    batch_sequences: int = Field(8, gt=0)
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation: pass@1 (and pass@k with k samples per task)."""
+
+    before_training: bool = False
+    after_training: bool = False
+    every: int = Field(0, ge=0)  # also every N RL steps; 0 = off
+    samples: int = Field(1, gt=0)
+    split: Literal["heldout", "train"] = "heldout"
+
+
 class RunConfig(_Section):
     name: str = "legorl"
     seed: int = 0
@@ -118,6 +138,8 @@ class Config(_Section):
     tasks: TasksConfig = TasksConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
 
 
 def _parse_value(text: str) -> Any:

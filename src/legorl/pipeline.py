@@ -33,6 +33,7 @@ from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.sandbox import reap_orphans
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits, load_jsonl
+from legorl.tasks.teacher import teacher_script
 from legorl.train.advantages import group_advantages
 from legorl.train.sequences import build_sequences, merge_stats
 from legorl.train.trainer import Trainer
@@ -205,13 +206,116 @@ class Driver:
         save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
         return path
 
+    # ---- teacher demonstrations and SFT ----------------------------------------------------------
+    async def collect_demos(self, n: int) -> list[Rollout]:
+        """Run the real harness with the scripted teacher playing each task's gold fix."""
+        tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
+        policy_engine, self.proxy.engine = self.proxy.engine, ScriptedEngine(self.tokenizer)
+        self.ctx.script_for = teacher_script
+        try:
+            demos = await self.rollouts(tasks, step=-1, samples=1, split="demo")
+        finally:
+            self.proxy.engine, self.ctx.script_for = policy_engine, None
+        return demos
+
+    async def sft(self, demos: list[Rollout]) -> dict[str, float]:
+        """Supervised warm start on the resolved demonstrations, then sync the engine."""
+        c = self.cfg.sft
+        seqs = [q for r in demos if r.outcome == Outcome.RESOLVED
+                for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True)]
+        if not seqs:
+            raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
+        for group in self.trainer.optimizer.param_groups:
+            group["lr"] = c.lr
+        rng = random.Random(self.cfg.run.seed)
+        losses = []
+        with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[loss]}"), console=console, transient=True) as progress:
+            n_batches = -(-len(seqs) // c.batch_sequences)
+            bar = progress.add_task("sft", total=c.epochs * n_batches, loss="")
+            for _ in range(c.epochs):
+                rng.shuffle(seqs)
+                for i in range(0, len(seqs), c.batch_sequences):
+                    m = await asyncio.to_thread(self.trainer.sft_step, seqs[i:i + c.batch_sequences])
+                    losses.append(m["sft/loss"])
+                    progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
+        for group in self.trainer.optimizer.param_groups:
+            group["lr"] = self.cfg.trainer.lr
+        self.trainer.optimizer.state.clear()  # RL starts with fresh Adam moments
+        async with self.proxy.paused():
+            await self.engine.update_weights(self.trainer.state_dict_for_engine())
+        return {"sft/sequences": float(len(seqs)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
+                "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
+                       split: str | None = None) -> dict[str, float]:
+        """pass@1 (mean resolved rate) and pass@k (any of k samples resolved) on a split."""
+        split = split or self.cfg.eval.split
+        tasks = tasks if tasks is not None else (self.heldout_tasks if split == "heldout" else self.train_tasks)
+        k = samples or self.cfg.eval.samples
+        rollouts = await self.rollouts(tasks, step, k, f"eval-{split}")
+        return eval_metrics(rollouts, k, prefix=f"eval/{split}/")
+
     async def train(self) -> list[StepResult]:
         results = []
+        every = self.cfg.eval.every
         for step in range(self.cfg.run.steps):
             r = await self.step(step)
+            if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.steps:
+                r.metrics.update(await self.evaluate(step))
+                self.store.add_step(step, r.metrics)
             console.print(step_line(r))
             results.append(r)
         return results
+
+    async def run(self) -> dict[str, Any]:
+        """The whole job: teacher demos -> SFT -> eval -> RL -> eval; writes summary.json."""
+        t0 = time.time()
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        if self.cfg.sft.enabled and self.cfg.sft.demos:
+            demos = await self.collect_demos(self.cfg.sft.demos)
+            summary["sft"] = await self.sft(demos)
+            console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
+                          f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
+        if self.cfg.eval.before_training:
+            before = await self.evaluate(step=-1)
+            summary["before_rl"] = before
+            console.print(eval_line("before RL", before))
+        results = await self.train()
+        if self.cfg.eval.after_training:
+            after = await self.evaluate(step=self.cfg.run.steps)
+            summary["after_rl"] = after
+            console.print(eval_line("after RL", after))
+        split = self.cfg.eval.split
+        key = f"eval/{split}/pass_at_1"
+        summary.update({
+            f"{split}_pass_at_1_before_rl": summary.get("before_rl", {}).get(key),
+            f"{split}_pass_at_1_after_rl": summary.get("after_rl", {}).get(key),
+            "steps": len(results),
+            "wall_time_s": time.time() - t0,
+        })
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def eval_metrics(rollouts: list[Rollout], k: int, prefix: str) -> dict[str, float]:
+    by_task: dict[str, list[Rollout]] = {}
+    for r in rollouts:
+        by_task.setdefault(r.task_id, []).append(r)
+    solved = [sum(r.outcome == Outcome.RESOLVED for r in rs) for rs in by_task.values()]
+    n = max(len(by_task), 1)
+    m = {f"{prefix}pass_at_1": sum(s / max(len(rs), 1) for s, rs in zip(solved, by_task.values())) / n,
+         f"{prefix}pass_at_{k}": sum(s > 0 for s in solved) / n, f"{prefix}tasks": float(len(by_task))}
+    for o, count in Counter(r.outcome.value for r in rollouts if r.outcome).items():
+        m[f"{prefix}outcomes/{o}"] = float(count)
+    return m
+
+
+def eval_line(name: str, m: dict[str, float]) -> str:
+    p1 = next((v for k, v in m.items() if k.endswith("pass_at_1")), 0.0)
+    outcomes = ", ".join(f"{k.rsplit('/', 1)[1]}={int(v)}" for k, v in m.items() if "/outcomes/" in k)
+    return f"{name}: pass@1 {p1:.3f}  [{outcomes}]"
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -237,6 +341,6 @@ def step_line(r: StepResult) -> str:
             f"pearson {m.get('train/logprob_pearson', float('nan')):.3f}  {m.get('time/step_s', 0):.0f}s")
 
 
-async def run_training(cfg: Config, run_dir: Path) -> list[StepResult]:
+async def run_job(cfg: Config, run_dir: Path) -> dict[str, Any]:
     async with Driver(cfg, run_dir) as driver:
-        return await driver.train()
+        return await driver.run()

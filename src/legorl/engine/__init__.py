@@ -6,6 +6,12 @@ from legorl.engine.sampling import sample_token, sampling_logprobs, token_logpro
 from legorl.engine.scripted import ScriptedEngine
 
 __all__ = [
-    "ContextOverflowError", "Engine", "EngineError", "LocalEngine", "ScriptedEngine", "sample_token",
-    "sampling_logprobs", "token_logprobs",
+    "ContextOverflowError",
+    "Engine",
+    "EngineError",
+    "LocalEngine",
+    "ScriptedEngine",
+    "sample_token",
+    "sampling_logprobs",
+    "token_logprobs",
 ]

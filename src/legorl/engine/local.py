@@ -76,9 +76,14 @@ def _hits_stop(ids: list[int], stops: list[str], tokenizer: PreTrainedTokenizerB
     return any(s and s in text for s in stops)
 
 
-def _resolve(fut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: Any = None,
-             error: BaseException | None = None) -> None:
+def _resolve(
+    fut: asyncio.Future[Any],
+    loop: asyncio.AbstractEventLoop,
+    value: Any = None,
+    error: BaseException | None = None,
+) -> None:
     """Set a future's result from the worker thread; a closed loop or cancelled future is ignored."""
+
     def _set() -> None:
         if fut.done():
             return
@@ -86,6 +91,7 @@ def _resolve(fut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: A
             fut.set_exception(error)
         else:
             fut.set_result(value)
+
     try:
         loop.call_soon_threadsafe(_set)
     except RuntimeError:  # the caller's loop is gone
@@ -112,14 +118,21 @@ class LocalEngine:
         self.max_batch = max_batch
         self.weight_version = 0
         if stop_token_ids is None:
-            stop_token_ids = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                          tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-                              if isinstance(t, int) and t != tokenizer.unk_token_id]
+            stop_token_ids = [
+                t
+                for t in (
+                    tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                    tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                )
+                if isinstance(t, int) and t != tokenizer.unk_token_id
+            ]
         self.stop_token_ids = list(stop_token_ids)
         self._vocab = int(model.get_input_embeddings().weight.shape[0])
         self._device = next(model.parameters()).device
         # transformers renamed past_key_values -> cache; accept both so the engine survives upgrades.
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self._seed_rng = random.Random()
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -128,6 +141,7 @@ class LocalEngine:
         # Batch state, touched only by the worker thread.
         self._rows: list[_Request] = []
         self._kv: KV = []
+        self._cache: DynamicCache | None = None  # wraps _kv; rebuilt only when rows join or leave
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
         self._thread = threading.Thread(target=self._run, name="legorl-local-engine", daemon=True)
         self._thread.start()
@@ -140,11 +154,19 @@ class LocalEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, rollout_id: str = ""
     ) -> GenerationResult:
+        """Sample a completion for ``prompt_ids``.
+
+        Stops on any of the engine's stop ids (default ``<|im_end|>``, ``<|endoftext|>``) plus
+        ``params.stop_token_ids`` (the stop token is kept, with its logprob), or when the decoded
+        completion contains a ``params.stop`` string (tokens are kept up to and including the one that
+        completed it: token fidelity over text trimming). ``params.seed`` makes sampling reproducible,
+        also when batched with other requests.
+        """
         check_prompt(prompt_ids, self._vocab, self.max_context())
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
         loop = asyncio.get_running_loop()
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=self._device)
         gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
         req = _Request(
             prompt_ids=list(prompt_ids),
@@ -167,9 +189,18 @@ class LocalEngine:
             raise
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        unexpected = set(state_dict) - set(self.model.state_dict())
+        """Apply ``state_dict`` (all or some parameters) once in-flight requests finish; new requests
+        wait meanwhile, so every result is generated under exactly one version. Returns the new version."""
+        # Validate here, before anything is copied: a half-applied update would be worse than none.
+        current = self.model.state_dict()
+        unexpected = set(state_dict) - set(current)
         if unexpected:
-            raise EngineError(f"update_weights got {len(unexpected)} unknown keys, e.g. {sorted(unexpected)[:3]}")
+            raise EngineError(
+                f"update_weights got {len(unexpected)} unknown keys, e.g. {sorted(unexpected)[:3]}"
+            )
+        bad = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
+        if bad:
+            raise EngineError(f"update_weights failed: shape mismatch for {bad[:3]}")
         loop = asyncio.get_running_loop()
         upd = _Update(state_dict, loop, loop.create_future())
         with self._cv:
@@ -209,6 +240,8 @@ class LocalEngine:
                 if self._rows:
                     self._decode_step()
         finally:
+            with self._cv:  # also when the worker died: later calls fail fast instead of hanging
+                self._closed = True
             self._fail_all(EngineError("engine closed"))
 
     def _fail_all(self, error: EngineError) -> None:
@@ -224,7 +257,7 @@ class LocalEngine:
         self._reset_batch()
 
     def _reset_batch(self) -> None:
-        self._rows, self._kv = [], []
+        self._rows, self._kv, self._cache = [], [], None
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
 
     def _apply_update(self, upd: _Update) -> None:
@@ -233,11 +266,13 @@ class LocalEngine:
                 self.model.load_state_dict(upd.state_dict, strict=False)
             self.weight_version += 1
             _resolve(upd.future, upd.loop, self.weight_version)
-        except Exception as e:  # shape mismatch etc.: the old weights stay in place
+        except Exception as e:  # unexpected backend failure
+            log.exception("update_weights failed")
             _resolve(upd.future, upd.loop, error=EngineError(f"update_weights failed: {e}"))
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None,
-                 cache: DynamicCache) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, cache: DynamicCache
+    ) -> torch.Tensor:
         kwargs = {self._cache_kw: cache}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
@@ -269,26 +304,34 @@ class LocalEngine:
         new_mask = torch.ones(1, t_new, dtype=torch.long, device=self._device)
         if not self._rows:
             self._kv, self._mask = new_kv, new_mask
+            self._cache = cache
         else:
+            self._cache = None
             self._kv = [
-                (torch.cat([_left_pad(k, length), _left_pad(nk, length)]),
-                 torch.cat([_left_pad(v, length), _left_pad(nv, length)]))
+                (
+                    torch.cat([_left_pad(k, length), _left_pad(nk, length)]),
+                    torch.cat([_left_pad(v, length), _left_pad(nv, length)]),
+                )
                 for (k, v), (nk, nv) in zip(self._kv, new_kv, strict=True)
             ]
-            self._mask = torch.cat([F.pad(self._mask, (length - t_old, 0)), F.pad(new_mask, (length - t_new, 0))])
+            self._mask = torch.cat(
+                [F.pad(self._mask, (length - t_old, 0)), F.pad(new_mask, (length - t_new, 0))]
+            )
         self._rows.append(req)
 
     def _decode_step(self) -> None:
         """One batched forward for all active rows; finished and cancelled rows leave afterwards."""
         try:
-            ids = torch.tensor([[r.completion[-1]] for r in self._rows], dtype=torch.long, device=self._device)
-            pos = torch.full((len(self._rows), 1), self._mask.shape[1], device=self._device)  # real tokens so far = position of the fed token
+            ids = torch.tensor(
+                [[r.completion[-1]] for r in self._rows], dtype=torch.long, device=self._device
+            )
+            pos = self._mask.sum(dim=1, keepdim=True)  # real tokens so far = position of the fed token
             mask = torch.cat([self._mask, torch.ones_like(pos)], dim=1)
-            cache = DynamicCache(ddp_cache_data=self._kv)
+            cache = self._cache if self._cache is not None else DynamicCache(ddp_cache_data=self._kv)
             with torch.inference_mode():
                 logits = self._forward(ids, mask, pos, cache)
             self._kv = [(layer.keys, layer.values) for layer in cache.layers]
-            self._mask = mask
+            self._cache, self._mask = cache, mask
             for i, req in enumerate(self._rows):
                 if not req.cancelled:
                     tok, lp = sample_token(logits[i], req.params.temperature, req.params.top_p, req.generator)
@@ -317,6 +360,8 @@ class LocalEngine:
         mask = self._mask.index_select(0, idx)
         start = int((mask.sum(dim=0) > 0).nonzero()[0])  # drop columns that are padding in every row
         self._mask = mask[:, start:]
-        self._kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
-                    for k, v in self._kv]
+        self._kv = [
+            (k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:]) for k, v in self._kv
+        ]
         self._rows = [self._rows[i] for i in keep]
+        self._cache = None

@@ -108,6 +108,7 @@ async def grade(
         try:
             results = parse_junit(verifier / junit_name)
         except JUnitError as e:
+            report.tests = dict.fromkeys(task.test_ids, "missing")
             report.outcome = Outcome.UNRESOLVED
             report.reason = ("tests timed out; " if r.timed_out else "") + str(e)
             return report

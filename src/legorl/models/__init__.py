@@ -12,6 +12,16 @@ from legorl.models.tokenizer import (
 )
 
 __all__ = [
-    "IM_END", "IM_START", "PAD", "TOOL_TOKENS", "ModelSpec", "build_model", "build_tokenizer", "load_model",
-    "load_or_build", "load_tokenizer", "render_tool_call_text", "save_model",
+    "IM_END",
+    "IM_START",
+    "PAD",
+    "TOOL_TOKENS",
+    "ModelSpec",
+    "build_model",
+    "build_tokenizer",
+    "load_model",
+    "load_or_build",
+    "load_tokenizer",
+    "render_tool_call_text",
+    "save_model",
 ]

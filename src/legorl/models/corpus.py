@@ -15,18 +15,84 @@ from collections.abc import Iterator
 
 # Bump when the generators change: part of the tokenizer cache key via the text hash anyway,
 # but kept explicit so a reader sees when the corpus recipe moved.
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 
 _NOUNS = [
-    "user", "item", "order", "config", "parser", "token", "node", "graph", "cache", "record", "buffer",
-    "matrix", "vector", "account", "session", "request", "response", "event", "queue", "task", "worker",
-    "file", "path", "line", "word", "count", "value", "key", "index", "result", "error", "message",
-    "price", "total", "score", "name", "date", "time", "window", "stack", "tree", "leaf", "edge",
+    "user",
+    "item",
+    "order",
+    "config",
+    "parser",
+    "token",
+    "node",
+    "graph",
+    "cache",
+    "record",
+    "buffer",
+    "matrix",
+    "vector",
+    "account",
+    "session",
+    "request",
+    "response",
+    "event",
+    "queue",
+    "task",
+    "worker",
+    "file",
+    "path",
+    "line",
+    "word",
+    "count",
+    "value",
+    "key",
+    "index",
+    "result",
+    "error",
+    "message",
+    "price",
+    "total",
+    "score",
+    "name",
+    "date",
+    "time",
+    "window",
+    "stack",
+    "tree",
+    "leaf",
+    "edge",
 ]
 _VERBS = [
-    "get", "set", "parse", "load", "save", "compute", "build", "find", "update", "delete", "merge",
-    "split", "render", "validate", "normalize", "count", "sort", "filter", "apply", "read", "write",
-    "format", "reset", "check", "resolve", "encode", "decode", "flatten", "group", "sum",
+    "get",
+    "set",
+    "parse",
+    "load",
+    "save",
+    "compute",
+    "build",
+    "find",
+    "update",
+    "delete",
+    "merge",
+    "split",
+    "render",
+    "validate",
+    "normalize",
+    "count",
+    "sort",
+    "filter",
+    "apply",
+    "read",
+    "write",
+    "format",
+    "reset",
+    "check",
+    "resolve",
+    "encode",
+    "decode",
+    "flatten",
+    "group",
+    "sum",
 ]
 _ADJ = ["empty", "negative", "large", "unicode", "nested", "missing", "duplicate", "invalid", "zero", "long"]
 _PKGS = ["mathlib", "textkit", "inventory", "shopcart", "dateparse", "graphs", "tinydb", "csvtools"]
@@ -46,6 +112,24 @@ _REASON = [
     "Let me verify the fix by running the failing test again.",
     "The change looks good. I'm done.",
 ]
+_WORDS_TEXT = """
+the a an to of and in that is for it with as on be this by are or from at not you your we can will
+if when then should must would could function file test tests code value values return returns error
+errors bug fix fixes fixed change changes repository module class method argument arguments input
+output expected actual behavior behaviour result results case cases edge empty list string number
+integer python command run running check checks make sure only each every all some any new old
+current previous following instead because before after while until also still already now first
+next last please task agent assistant user tool call calls response message system prompt shell
+terminal directory working environment issue report steps reproduce description details solution
+implement implementation update updated add added remove removed replace replaced create created
+edit edited read write written missing wrong correct correctly properly incorrect raises raised
+exception handle handled handling default parameter parameters option options config configuration
+version line lines source path name names type types object objects dictionary key keys index data
+format print output logs log see look find search open show use used using need needs want know
+think understand understanding problem
+"""
+_WORDS = _WORDS_TEXT.split()  # a text block reads better than a 200-item list literal
+
 _PROBLEMS = [
     "`{fn}` returns the wrong result for {adj} input.",
     "Calling `{fn}()` with a {adj} {noun} raises `{exc}` instead of returning a default.",
@@ -71,7 +155,7 @@ def _expr(rng: random.Random, args: list[str]) -> str:
         f"[x for x in {a} if x > {rng.randint(0, 5)}]",
         f"{a}.get('{rng.choice(_NOUNS)}', None)",
         f"sum({a}) / max(len({a}), 1)",
-        f"f\"{{{a}}}: {rng.choice(_NOUNS)}\"",
+        f'f"{{{a}}}: {rng.choice(_NOUNS)}"',
         f"{a} * 2 if {a} else 0",
         f"{{k: v for k, v in {a}.items() if v}}",
     ]
@@ -83,14 +167,16 @@ def python_function(rng: random.Random, indent: str = "") -> str:
     args = rng.sample(_NOUNS, rng.randint(0, 3))
     sig = ", ".join(f"{a}: {rng.choice(_TYPES)}" for a in args)
     ret = rng.choice(_TYPES)
-    body = [f'{indent}def {name}({sig}) -> {ret}:', f'{indent}    """{rng.choice(_VERBS).capitalize()} the '
-            f'{rng.choice(_NOUNS)}s."""']
+    body = [
+        f"{indent}def {name}({sig}) -> {ret}:",
+        (f'{indent}    """{rng.choice(_VERBS).capitalize()} the {rng.choice(_NOUNS)}s."""'),
+    ]
     for _ in range(rng.randint(1, 4)):
         kind = rng.random()
         var = rng.choice(_NOUNS)
         if kind < 0.3 and args:
             body.append(f"{indent}    if {rng.choice(args)} is None:")
-            body.append(f"{indent}        raise {rng.choice(_EXC)}(\"{rng.choice(_NOUNS)} must not be None\")")
+            body.append(f'{indent}        raise {rng.choice(_EXC)}("{rng.choice(_NOUNS)} must not be None")')
         elif kind < 0.5 and args:
             body.append(f"{indent}    for {var}_i in range(len({rng.choice(args)})):")
             body.append(f"{indent}        {var} = {_expr(rng, args)}")
@@ -103,13 +189,24 @@ def python_function(rng: random.Random, indent: str = "") -> str:
 
 def python_module(rng: random.Random) -> str:
     parts = [f'"""{rng.choice(_VERBS).capitalize()} helpers for {rng.choice(_NOUNS)}s."""\n']
-    parts.append(rng.choice(["import os\n", "import re\n", "from __future__ import annotations\n",
-                             "from dataclasses import dataclass\n", "import json\nimport sys\n"]))
+    parts.append(
+        rng.choice(
+            [
+                "import os\n",
+                "import re\n",
+                "from __future__ import annotations\n",
+                "from dataclasses import dataclass\n",
+                "import json\nimport sys\n",
+            ]
+        )
+    )
     for _ in range(rng.randint(1, 3)):
         if rng.random() < 0.35:
             cls = _cls(rng)
-            parts.append(f"\n\nclass {cls}:\n    def __init__(self, {rng.choice(_NOUNS)}=None):\n"
-                         f"        self._{rng.choice(_NOUNS)} = {{}}\n\n" + python_function(rng, "    "))
+            parts.append(
+                f"\n\nclass {cls}:\n    def __init__(self, {rng.choice(_NOUNS)}=None):\n"
+                f"        self._{rng.choice(_NOUNS)} = {{}}\n\n" + python_function(rng, "    ")
+            )
         else:
             parts.append("\n\n" + python_function(rng))
     return "".join(parts)
@@ -133,25 +230,35 @@ def pytest_output(rng: random.Random, mod: str) -> str:
     out = [
         "============================= test session starts ==============================",
         f"platform linux -- Python 3.{rng.randint(10, 13)}.{rng.randint(0, 9)}, pytest-8.{rng.randint(0, 4)}.0",
-        "rootdir: /testbed", f"collected {n} items", "", f"tests/test_{mod}.py {dots}"
-        + " " * rng.randint(1, 30) + "[100%]", "",
+        "rootdir: /testbed",
+        f"collected {n} items",
+        "",
+        f"tests/test_{mod}.py {dots}" + " " * rng.randint(1, 30) + "[100%]",
+        "",
     ]
     if failed:
         fn = _ident(rng)
         exc = rng.choice(_EXC)
         out += [
             "=================================== FAILURES ===================================",
-            f"________________________________ test_{fn} _________________________________", "",
-            f"    def test_{fn}():", f">       assert {fn}({rng.randint(0, 9)}) == {rng.randint(0, 9)}",
-            f"E       {exc}: {rng.choice(_NOUNS)}", "", f"tests/test_{mod}.py:{rng.randint(3, 90)}: {exc}",
+            f"________________________________ test_{fn} _________________________________",
+            "",
+            f"    def test_{fn}():",
+            f">       assert {fn}({rng.randint(0, 9)}) == {rng.randint(0, 9)}",
+            f"E       {exc}: {rng.choice(_NOUNS)}",
+            "",
+            f"tests/test_{mod}.py:{rng.randint(3, 90)}: {exc}",
             "=========================== short test summary info ============================",
             f"FAILED tests/test_{mod}.py::test_{fn} - {exc}: {rng.choice(_NOUNS)}",
-            f"========================= {failed} failed, {n - failed} passed in {rng.random():.2f}s "
-            "=========================",
+            (
+                f"========================= {failed} failed, {n - failed} passed in {rng.random():.2f}s "
+                "========================="
+            ),
         ]
     else:
-        out.append(f"============================== {n} passed in {rng.random():.2f}s "
-                   "==============================")
+        out.append(
+            f"============================== {n} passed in {rng.random():.2f}s =============================="
+        )
     return "\n".join(out) + "\n"
 
 
@@ -161,9 +268,13 @@ def unified_diff(rng: random.Random, mod: str) -> str:
     i = rng.randrange(1, len(new))
     new[i] = new[i].replace(rng.choice(_NOUNS), rng.choice(_NOUNS)) + rng.choice(["", "  # fixed", " + 1"])
     start = rng.randint(1, 120)
-    hunk = [f"diff --git a/{mod}.py b/{mod}.py", f"index {rng.getrandbits(28):07x}..{rng.getrandbits(28):07x} "
-            "100644", f"--- a/{mod}.py", f"+++ b/{mod}.py",
-            f"@@ -{start},{len(old)} +{start},{len(new)} @@"]
+    hunk = [
+        f"diff --git a/{mod}.py b/{mod}.py",
+        (f"index {rng.getrandbits(28):07x}..{rng.getrandbits(28):07x} 100644"),
+        f"--- a/{mod}.py",
+        f"+++ b/{mod}.py",
+        f"@@ -{start},{len(old)} +{start},{len(new)} @@",
+    ]
     for a, b in zip(old, new, strict=True):
         hunk += [f" {a}"] if a == b else [f"-{a}", f"+{b}"]
     return "\n".join(hunk) + "\n"
@@ -171,15 +282,30 @@ def unified_diff(rng: random.Random, mod: str) -> str:
 
 def shell_command(rng: random.Random, mod: str) -> str:
     fn = _ident(rng)
-    return rng.choice([
-        "ls -la", f"ls {rng.choice(_PKGS)}/", f"cat {mod}.py", f"grep -rn \"{fn}\" .",
-        f"grep -rn 'def {fn}' --include=*.py", f"sed -n '{rng.randint(1, 40)},{rng.randint(41, 90)}p' {mod}.py",
-        f"sed -i 's/{rng.choice(_NOUNS)}/{rng.choice(_NOUNS)}/g' {mod}.py", f"nl -ba {mod}.py | head -50",
-        "python -m pytest -q", f"python -m pytest tests/test_{mod}.py -x -q", "git status", "git diff",
-        f"find . -name '*.py' | head -20", f"python -c 'import {mod}; print({mod}.{fn}(3))'",
-        f"cat <<'EOF' > {mod}.py\n{python_function(rng)}EOF", "cd /testbed && ls", "pip list | grep pytest",
-        f"wc -l {mod}.py", f"head -n 30 {mod}.py", f"tail -n {rng.randint(5, 40)} {mod}.py",
-    ])
+    return rng.choice(
+        [
+            "ls -la",
+            f"ls {rng.choice(_PKGS)}/",
+            f"cat {mod}.py",
+            f'grep -rn "{fn}" .',
+            f"grep -rn 'def {fn}' --include=*.py",
+            f"sed -n '{rng.randint(1, 40)},{rng.randint(41, 90)}p' {mod}.py",
+            f"sed -i 's/{rng.choice(_NOUNS)}/{rng.choice(_NOUNS)}/g' {mod}.py",
+            f"nl -ba {mod}.py | head -50",
+            "python -m pytest -q",
+            f"python -m pytest tests/test_{mod}.py -x -q",
+            "git status",
+            "git diff",
+            "find . -name '*.py' | head -20",
+            f"python -c 'import {mod}; print({mod}.{fn}(3))'",
+            f"cat <<'EOF' > {mod}.py\n{python_function(rng)}EOF",
+            "cd /testbed && ls",
+            "pip list | grep pytest",
+            f"wc -l {mod}.py",
+            f"head -n 30 {mod}.py",
+            f"tail -n {rng.randint(5, 40)} {mod}.py",
+        ]
+    )
 
 
 def tool_call_json(rng: random.Random, mod: str) -> str:
@@ -188,31 +314,57 @@ def tool_call_json(rng: random.Random, mod: str) -> str:
     if rng.random() < 0.2:
         name = rng.choice(["str_replace_editor", "read_file", "write_file", "submit"])
         args = {"path": f"/testbed/{mod}.py", "old_str": _ident(rng), "new_str": _ident(rng)}
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 def problem_statement(rng: random.Random) -> str:
-    text = rng.choice(_PROBLEMS).format(fn=_ident(rng), adj=rng.choice(_ADJ), noun=rng.choice(_NOUNS),
-                                        exc=rng.choice(_EXC), cls=_cls(rng), verb=rng.choice(_VERBS))
-    return (f"{text}\n\nSteps to reproduce:\n\n```python\n>>> {_ident(rng)}({rng.randint(-5, 50)})\n"
-            f"{rng.randint(0, 100)}\n```\n\nExpected {rng.randint(0, 100)}. Please fix it so the tests pass.\n")
+    text = rng.choice(_PROBLEMS).format(
+        fn=_ident(rng),
+        adj=rng.choice(_ADJ),
+        noun=rng.choice(_NOUNS),
+        exc=rng.choice(_EXC),
+        cls=_cls(rng),
+        verb=rng.choice(_VERBS),
+    )
+    return (
+        f"{text}\n\nSteps to reproduce:\n\n```python\n>>> {_ident(rng)}({rng.randint(-5, 50)})\n"
+        f"{rng.randint(0, 100)}\n```\n\nExpected {rng.randint(0, 100)}. Please fix it so the tests pass.\n"
+    )
 
 
 def agent_turn(rng: random.Random, mod: str) -> str:
     reason = rng.choice(_REASON).format(fn=_ident(rng), adj=rng.choice(_ADJ), mod=mod)
-    return reason + "\n\n" + (tool_call_json(rng, mod) if rng.random() < 0.7 else
-                              f"```bash\n{shell_command(rng, mod)}\n```")
+    return (
+        reason
+        + "\n\n"
+        + (tool_call_json(rng, mod) if rng.random() < 0.7 else f"```bash\n{shell_command(rng, mod)}\n```")
+    )
+
+
+def prose(rng: random.Random) -> str:
+    """Loose English (instructions, explanations): words, punctuation and inline code."""
+    sentences = []
+    for _ in range(rng.randint(2, 6)):
+        words = rng.choices(_WORDS, k=rng.randint(5, 16))
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), f"`{_ident(rng)}`")
+        sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", ",", ":", "?", "!"]))
+    return " ".join(sentences) + "\n"
 
 
 def _chunks(rng: random.Random) -> Iterator[str]:
     mod = f"{rng.choice(_PKGS)}/{rng.choice(_NOUNS)}s"
     makers = [
-        lambda: python_module(rng), lambda: pytest_file(rng, mod.replace("/", ".")),
-        lambda: pytest_output(rng, mod.split("/")[-1]), lambda: unified_diff(rng, mod),
-        lambda: "$ " + shell_command(rng, mod) + "\n", lambda: agent_turn(rng, mod),
+        lambda: python_module(rng),
+        lambda: pytest_file(rng, mod.replace("/", ".")),
+        lambda: pytest_output(rng, mod.split("/")[-1]),
+        lambda: unified_diff(rng, mod),
+        lambda: "$ " + shell_command(rng, mod) + "\n",
+        lambda: agent_turn(rng, mod),
         lambda: problem_statement(rng),
+        lambda: prose(rng),
     ]
-    weights = [4, 2, 2, 2, 2, 3, 1]
+    weights = [4, 2, 2, 2, 2, 3, 1, 2]
     for maker in rng.choices(makers, weights=weights, k=rng.randint(3, 8)):
         yield maker()
 

@@ -58,27 +58,29 @@ class ModelSpec:
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown ModelSpec fields {sorted(unknown)}; valid: "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
+            raise ValueError(
+                f"unknown ModelSpec fields {sorted(unknown)}; valid: "
+                f"{[f.name for f in dataclasses.fields(cls)]}"
+            )
         return cls(**d)
 
 
 def _config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config | Qwen3MoeConfig:
-    common: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),  # no unused rows: every sampled id decodes to text
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=spec.tie_word_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-    )
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),  # no unused rows: every sampled id decodes to text
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+    }
     if not spec.moe:
         return Qwen3Config(**common)
     return Qwen3MoeConfig(
@@ -112,8 +114,10 @@ def load_model(path: Path | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     """Load a model + tokenizer from a LOCAL directory (never the hub)."""
     path = Path(path)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); "
-                                "pass a local checkpoint dir or leave model_path unset to build one")
+        raise FileNotFoundError(
+            f"{path} is not a model directory (no config.json); "
+            "pass a local checkpoint dir or leave model_path unset to build one"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
     )
@@ -126,8 +130,9 @@ def load_or_build(
     """Load ``model_path`` when it is a local directory, else build the spec'd tiny model (cached)."""
     if model_path is not None:
         if not Path(model_path).is_dir():
-            raise FileNotFoundError(f"model_path {model_path!r} is not a local directory "
-                                    "(hub downloads are not supported here)")
+            raise FileNotFoundError(
+                f"model_path {model_path!r} is not a local directory (hub downloads are not supported here)"
+            )
         return load_model(model_path)
     cache_dir = Path(cache_dir)
     tokenizer = build_tokenizer(cache_dir, spec.vocab_size)

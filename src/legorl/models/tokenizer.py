@@ -41,7 +41,9 @@ def render_tool_call_text(name: str, arguments: str | dict[str, Any]) -> str:
     ``json.dumps(arguments, ensure_ascii=False)``, which is what the template's ``tojson`` does.
     """
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+    return (
+        f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+    )
 
 
 def _settings(vocab_size: int) -> dict[str, Any]:
