@@ -130,13 +130,18 @@ def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
             grade(task, garbage, work_dir=tmp_path),
             grade(task, syntax, work_dir=tmp_path),
             grade(no_repo, "", work_dir=tmp_path),
+            grade(
+                task.model_copy(update={"setup": "echo setting up; exit 7"}), task.patch, work_dir=tmp_path
+            ),
         )
 
-    not_applied, broken, infra = asyncio.run(main())
+    not_applied, broken, infra, bad_setup = asyncio.run(main())
     assert not_applied.outcome == Outcome.UNRESOLVED and not_applied.reason == "patch did not apply"
     assert broken.outcome == Outcome.UNRESOLVED and not broken.resolved
     assert all(s in ("error", "missing", "failed") for s in broken.tests.values())
     assert infra.outcome == Outcome.GRADER_ERROR and "nonexistent" in infra.reason
+    assert bad_setup.outcome == Outcome.GRADER_ERROR and "setup failed" in bad_setup.reason
+    assert "setting up" in bad_setup.log_tail
 
 
 def test_filter_diff_policy() -> None:
@@ -212,6 +217,13 @@ def test_swebench_style_test_patch(tmp_path: Path) -> None:
     assert empty.outcome == Outcome.UNRESOLVED and empty.tests[task.FAIL_TO_PASS[0]] == "failed"
 
 
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @needs_bwrap
 def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
     from legorl.sandbox.client import SandboxError
@@ -220,12 +232,11 @@ def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
         (tmp_path / "ws").mkdir()
         box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="x")
         try:
-            agent = [
-                p
-                for p in process_tree(box.pid)
-                if b"sandbox_agent" in Path(f"/proc/{p}/cmdline").read_bytes()
-            ]
-            os.kill(agent[0], signal.SIGKILL)
+            argvs = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in process_tree(box.pid)}
+            agent = next(p for p, argv in argvs.items() if Path(argv[0].decode()).name.startswith("python"))
+            os.kill(agent, signal.SIGKILL)
+            while _running(agent):  # wait until it can no longer answer
+                await asyncio.sleep(0.01)
             with pytest.raises(SandboxError):
                 await box.exec("echo hi", timeout=5)
             with pytest.raises(SandboxError):

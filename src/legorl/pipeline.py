@@ -140,7 +140,7 @@ class Driver:
         sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
         jobs = [(task, i) for task in tasks for i in range(samples)]
         progress = Progress(TextColumn(f"step {step} {split} rollouts"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
+                            TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
 
         async def one(task: Task, i: int) -> Rollout:
             async with sem:
@@ -230,7 +230,8 @@ class Driver:
         rng = random.Random(self.cfg.run.seed)
         losses = []
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[loss]}"), console=console, transient=True) as progress:
+                      TextColumn("{task.fields[loss]}"), console=console, transient=True,
+                      disable=not console.is_terminal) as progress:
             n_batches = -(-len(seqs) // c.batch_sequences)
             bar = progress.add_task("sft", total=c.epochs * n_batches, loss="")
             for _ in range(c.epochs):

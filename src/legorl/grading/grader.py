@@ -68,8 +68,13 @@ async def grade(
     timeout: float = 60,
     hide_paths: list[Path] | tuple[Path, ...] = (),
     keep: bool = False,
+    memory_mb: int | None = None,
 ) -> GraderReport:
-    """Grade ``diff`` for ``task``. Never raises; ``work_dir`` must be a private host dir."""
+    """Grade ``diff`` for ``task``. Never raises; ``work_dir`` must be a private host dir.
+
+    ``timeout`` bounds the test command; ``memory_mb`` caps the grader sandbox's address space;
+    ``keep`` leaves the work dir (repo, JUnit report, bwrap log) for debugging.
+    """
     work = Path(work_dir) / f"grade-{secrets.token_hex(6)}"
     box: BwrapSandbox | None = None
     report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
@@ -86,7 +91,16 @@ async def grade(
             label=f"grade-{task.instance_id}",
             hide_paths=[*hide_paths],
             extra_binds={VERIFIER_INSIDE: verifier},
+            memory_mb=memory_mb,
         )
+        if task.setup.strip():  # on pristine sources: a failure here is the task's, not the agent's
+            r = await box.exec(task.setup, timeout=max(timeout, 120))
+            if r.returncode != 0:
+                report.reason, report.log_tail = (
+                    f"task setup failed (exit {r.returncode})",
+                    r.output[-LOG_TAIL:],
+                )
+                return report
         if kept.strip():
             await box.write_file("/tmp/agent.patch", kept)
             # Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none.
