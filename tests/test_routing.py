@@ -162,9 +162,8 @@ def test_bad_routes_are_rejected_clearly() -> None:
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     )
     assert routing_shape(dense) is None
-    with pytest.raises(ValueError, match="no top-k MoE router"):
-        with record_routing(dense):
-            pass
+    with pytest.raises(ValueError, match="no top-k MoE router"), record_routing(dense):
+        pass
 
 
 def test_routes_tensor_pads_with_sentinel() -> None:
@@ -187,7 +186,7 @@ def test_other_hf_moe_routers_replay(arch: str) -> None:
     with torch.no_grad():
         for r in find_routers(model):
             r.weight.normal_(0, 0.5)
-    ids = _ids(1, 5)
+    ids = _ids(1, 5) % 100
     with torch.no_grad(), record_routing(model) as rec:
         ref = model(input_ids=ids).logits
     own = rec.pop()

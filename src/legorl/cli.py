@@ -118,7 +118,7 @@ def report(
         from legorl.models import load_tokenizer
 
         tok = load_tokenizer(run_dir / "tokenizer")
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
     summary = Store(db).report(decode=decode)
     if as_json:
         print(json.dumps(summary, indent=2, sort_keys=True))

@@ -121,7 +121,7 @@ class Driver:
                                   grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide)
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         for closer in (self.harness.close, self.proxy.stop, self.engine.close):
             try:
                 await closer()

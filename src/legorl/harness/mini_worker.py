@@ -75,7 +75,7 @@ def _serve_one(req: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    import minisweagent.agents.default  # noqa: F401  (pay the import once, before saying ready)
+    import minisweagent.agents.default
     import minisweagent.models.litellm_model  # noqa: F401
 
     _reply({"op": "ready", "pid": os.getpid()})

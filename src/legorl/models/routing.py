@@ -129,8 +129,8 @@ def _route_hook(
     recorder: RoutingRecorder | None,
     stats: ReplayStats | None,
     block: _Block,
-):  # noqa: ANN202 - a torch hook
-    def hook(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor, Tensor]):  # noqa: ANN202
+):
+    def hook(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor, Tensor]):
         logits, weights, index = output
         if forced is not None:
             k = index.shape[-1]

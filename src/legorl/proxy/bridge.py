@@ -11,11 +11,20 @@ rewrote, truncated or condensed its history, no earlier call matches: the prompt
 is rendered afresh and the call starts a new segment, with the reason recorded.
 `naive_differs` says whether plain re-rendering would have produced different
 tokens than the bridge (the drift the bridge prevented).
+
+Every wire format is first turned into canonical (OpenAI-chat shaped) messages
+(see request.py), so matching works the same for Anthropic content blocks and
+Responses items. Matching compares what the model sees of a message: role, text,
+tool-call names and parsed arguments, tool-result ids; an assistant reply's text
+is compared without surrounding whitespace (harnesses trim it; the sampled
+tokens are what the next prompt continues from either way).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,14 +51,23 @@ def _args_value(arguments: Any) -> Any:
     return arguments
 
 
+def _fn(call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        return {}
+    fn = call.get("function")
+    return fn if isinstance(fn, dict) else {}
+
+
 def normalize_message(msg: dict[str, Any]) -> tuple:
     """A comparable key for a message: what matters for the model's view of it."""
     calls = tuple(
-        (c.get("function", {}).get("name"), json.dumps(_args_value(c.get("function", {}).get("arguments")),
-                                                       sort_keys=True))
+        (_fn(c).get("name"), json.dumps(_args_value(_fn(c).get("arguments")), sort_keys=True))
         for c in (msg.get("tool_calls") or [])
     )
-    return (msg.get("role"), content_text(msg.get("content")), calls, msg.get("tool_call_id") or None)
+    text = content_text(msg.get("content"))
+    if msg.get("role") == "assistant":
+        text = text.strip()
+    return (msg.get("role"), text, calls, msg.get("tool_call_id") or None)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,13 +77,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t: dict[str, Any] = {"role": m.get("role"), "content": content_text(m.get("content"))}
         if m.get("tool_calls"):
             t["tool_calls"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": c.get("function", {}).get("name"),
-                        "arguments": _args_value(c.get("function", {}).get("arguments")),
-                    },
-                }
+                {"type": "function",
+                 "function": {"name": _fn(c).get("name"), "arguments": _args_value(_fn(c).get("arguments"))}}
                 for c in m["tool_calls"]
             ]
         if m.get("tool_call_id"):
@@ -77,7 +90,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def reply_message(content: str | None, tool_calls: list[ToolCall]) -> dict[str, Any]:
-    """The assistant message the proxy returns, in OpenAI shape (also used for matching)."""
+    """The assistant message the proxy returns, in canonical (OpenAI) shape (also used for matching)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = [
@@ -85,6 +98,63 @@ def reply_message(content: str | None, tool_calls: list[ToolCall]) -> dict[str, 
             for c in tool_calls
         ]
     return msg
+
+
+class CachedEncoder:
+    """`encode(text)` that re-encodes only the pieces it has not seen.
+
+    Fast tokenizers cut the text at added tokens (``<|im_start|>``, ``<|im_end|>``, ...) before
+    anything else, so the ids of a rendered chat are the concatenation of the ids of the pieces
+    between them. Long harness prompts (tens of kB of system prompt and tool schemas) are mostly
+    the same pieces every call, so each call costs only its new text. The cache is switched off when
+    the tokenizer's added tokens could interact with their neighbours (lstrip/rstrip/single_word,
+    normalized), and the first calls are checked against a plain encode.
+    """
+
+    def __init__(self, tokenizer: Any, max_entries: int = 8192, verify_first: int = 3):
+        self.tok = tokenizer
+        self.max_entries = max_entries
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._verify_left = verify_first
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.enabled = self._backend is not None and bool(added) and all(
+            not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
+        self._ids = {t.content: i for i, t in added.items()}
+        names = sorted(self._ids, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+        self.hits = 0
+        self.misses = 0
+
+    def plain(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled or self._split is None:
+            return self.plain(text)
+        parts = self._split.split(text)
+        todo = [p for p in dict.fromkeys(parts[0::2]) if p and p not in self._cache]
+        if todo:
+            self.misses += len(todo)
+            for piece, enc in zip(todo, self._backend.encode_batch(todo, add_special_tokens=False)):
+                self._cache[piece] = enc.ids
+        ids: list[int] = []
+        for i, p in enumerate(parts):
+            if i % 2:
+                ids.append(self._ids[p])
+            elif p:
+                ids.extend(self._cache[p])
+                self._cache.move_to_end(p)
+        self.hits += len(parts) // 2 + 1 - len(todo)
+        while len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        if self._verify_left > 0:
+            self._verify_left -= 1
+            if ids != self.plain(text):  # this tokenizer does not split the way we assume
+                self.enabled = False
+                self._cache.clear()
+                return self.plain(text)
+        return ids
 
 
 @dataclass
@@ -108,10 +178,15 @@ class BridgeResult:
     naive_ids: list[int] = field(default_factory=list)
 
 
+NEW_CONVERSATION = "new conversation: the messages do not extend any earlier call of this session"
+
+
 class TokenBridge:
     def __init__(self, tokenizer: Any):
         self.tok = tokenizer
         self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text)
+        self.encoder = CachedEncoder(tokenizer)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
@@ -120,7 +195,10 @@ class TokenBridge:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.encoder.encode(text)
+
+    def count(self, messages: list[dict], tools: list[dict] | None) -> int:
+        return len(self.encode(self.render(messages, tools, generation_prompt=True)))
 
     @staticmethod
     def tools_key(tools: list[dict] | None) -> str:
@@ -133,10 +211,19 @@ class TokenBridge:
             return BridgeResult(naive_ids, None, None, False, naive_ids)
         norm = [normalize_message(m) for m in messages]
         tkey = self.tools_key(tools)
-        reason = "history rewritten: the messages do not extend any earlier call of this session"
+        reason = NEW_CONVERSATION
+        best_prefix = -1
         for past in reversed(history):
             k = len(past.messages)
-            if len(norm) <= k + 1 or norm[:k] != past.messages or norm[k] != past.reply:
+            if len(norm) <= k or norm[:k] != past.messages:
+                continue
+            if norm[k] != past.reply:
+                if k > best_prefix:
+                    best_prefix = k
+                    reason = (f"history rewritten: message {k} is not the reply of call {past.index} "
+                              "(the harness edited, dropped or replaced it)")
+                continue
+            if len(norm) == k + 1:  # ends with the reply itself: nothing new to prompt from
                 continue
             if past.tools_key != tkey:
                 reason = "tool definitions changed"
@@ -159,7 +246,6 @@ class TokenBridge:
         if end < 0:
             return None
         after_eos = upto_reply[end + len(self.eos_text):]
-        eos_id = self.tok.convert_tokens_to_ids(self.eos_text)
-        closing = "" if past.completion_ids and past.completion_ids[-1] == eos_id else self.eos_text
+        closing = "" if past.completion_ids and past.completion_ids[-1] == self.eos_id else self.eos_text
         tail = closing + after_eos + full[len(upto_reply):]
         return past.prompt_ids + past.completion_ids + self.encode(tail)

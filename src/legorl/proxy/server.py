@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from legorl.engine.base import ContextOverflowError, Engine
 from legorl.proxy.bridge import PastCall, TokenBridge, normalize_message, reply_message
 from legorl.proxy.sessions import Session, SessionRegistry, body_key
-from legorl.proxy.toolcalls import ToolCallParser, TaggedJsonParser
+from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
 from legorl.records import LLMCall, SamplingParams
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -222,7 +222,7 @@ class Proxy:
             session.errors.append("engine_error")
             raise ProxyError(500, f"engine error: {type(e).__name__}: {e}", type_="server_error") from None
         text = self.tok.decode(result.completion_ids, skip_special_tokens=False)
-        body_text = text[: -len(self.bridge.eos_text)] if text.endswith(self.bridge.eos_text) else text
+        body_text = text.removesuffix(self.bridge.eos_text)
         content, tool_calls = self.parser.parse(body_text)
         call = LLMCall(
             rollout_id=session.rollout_id, index=session.n_calls, wire_format="openai_chat", request=body,

@@ -66,7 +66,50 @@ class TaggedJsonParser:
         return (content or None), [c for c in calls if c is not None]
 
 
-PARSERS: dict[str, type[TaggedJsonParser]] = {"tagged": TaggedJsonParser, "hermes": TaggedJsonParser}
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+class XmlFunctionParser:
+    """Qwen3-Coder style: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``.
+
+    Parameter values are JSON when they parse as JSON (numbers, booleans, objects), else text.
+    Falls back to the JSON-in-``<tool_call>`` syntax for blocks that hold JSON.
+    """
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        blocks = list(_BLOCK.finditer(text))
+        if not blocks:
+            return (text or None), []
+        calls: list[ToolCall] = []
+        for m in blocks:
+            body = m.group(1)
+            fn = _FUNCTION.fullmatch(body.strip())
+            if fn is None:
+                call = _one_call(body)
+                if call is None:
+                    return text, []
+                calls.append(call)
+                continue
+            args = {}
+            for p in _PARAMETER.finditer(fn.group(2)):
+                raw = p.group(2)
+                try:
+                    args[p.group(1).strip()] = json.loads(raw)
+                except json.JSONDecodeError:
+                    args[p.group(1).strip()] = raw
+            calls.append(ToolCall(id=new_call_id(), name=fn.group(1).strip(),
+                                  arguments=json.dumps(args, ensure_ascii=False)))
+        content = text[: blocks[0].start()].rstrip()
+        return (content or None), calls
+
+
+PARSERS: dict[str, type] = {
+    "tagged": TaggedJsonParser,  # legorl's built-in template syntax
+    "hermes": TaggedJsonParser,  # Hermes / Qwen2.5 / Qwen3: JSON inside <tool_call>
+    "qwen": TaggedJsonParser,
+    "qwen3_coder": XmlFunctionParser,  # <function=...><parameter=...> inside <tool_call>
+}
 
 
 def get_parser(name: str) -> ToolCallParser:

@@ -22,16 +22,27 @@ class LineEdit:
     path: str
     old: str
     new: str
+    line: int  # 1-based line of `old` in the buggy file
 
 
 def gold_line_edit(patch: str) -> LineEdit:
-    """The single-line replacement a one-line gold patch makes."""
+    """The single-line replacement a one-line gold patch makes, with its line number."""
     path = re.search(r"^\+\+\+ b/(.+)$", patch, re.MULTILINE)
-    removed = [line[1:] for line in patch.splitlines() if line.startswith("-") and not line.startswith("---")]
-    added = [line[1:] for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    removed, added, line, at = [], [], 0, 0
+    for text in patch.splitlines():
+        if hunk := re.match(r"^@@ -(\d+)", text):
+            at = int(hunk.group(1))
+        elif text.startswith("-") and not text.startswith("---"):
+            removed.append(text[1:])
+            line = at
+            at += 1
+        elif text.startswith("+") and not text.startswith("+++"):
+            added.append(text[1:])
+        elif at:
+            at += 1
     if path is None or len(removed) != 1 or len(added) != 1:
         raise ValueError("the gold patch is not a one-line change in one file; write a teacher script by hand")
-    return LineEdit(path.group(1), removed[0], added[0])
+    return LineEdit(path.group(1), removed[0], added[0], line)
 
 
 def _sed_escape(text: str, replacement: bool) -> str:
@@ -39,10 +50,17 @@ def _sed_escape(text: str, replacement: bool) -> str:
     return "".join("\\" + ch if ch in special else ch for ch in text)
 
 
-def sed_command(edit: LineEdit) -> str:
+def sed_command(edit: LineEdit, line: int | None = None) -> str:
+    """`sed -i 's|old|new|' path`, addressed to one line when the old text is not unique."""
     old, new = _sed_escape(edit.old.strip(), False), _sed_escape(edit.new.strip(), True)
-    script = f"s|{old}|{new}|"
+    script = f"{line or ''}s|{old}|{new}|"
     return "sed -i '" + script.replace("'", "'\\''") + f"' {edit.path}"
+
+
+def edited_line(task: Task, edit: LineEdit) -> int | None:
+    """The line to address when the old text occurs on several lines, else None (plain sed is enough)."""
+    hits = sum(edit.old.strip() in text for text in task.files.get(edit.path, "").splitlines())
+    return edit.line if hits > 1 else None
 
 
 def _turn(thought: str, command: str) -> str:
@@ -60,12 +78,14 @@ def function_name(task: Task, edit: LineEdit) -> str:
 def teacher_script(task: Task, solve: bool = True) -> list[str]:
     """Assistant turns for one episode. solve=False reads and submits without fixing."""
     edit = gold_line_edit(task.patch)
+    line = edited_line(task, edit)
+    read = f"nl -ba {edit.path}" if line else f"cat {edit.path}"  # line numbers when the fix needs one
     turns = [
         _turn("Let me find the function.", f"grep -rn 'def {function_name(task, edit)}' ."),
-        _turn("Let me read the file.", f"cat {edit.path}"),
+        _turn("Let me read the file.", read),
     ]
     if solve:
-        turns.append(_turn("This line is wrong. Let me fix it.", sed_command(edit)))
+        turns.append(_turn("This line is wrong. Let me fix it.", sed_command(edit, line)))
         turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
     turns.append(_turn("Done. Let me submit.", SUBMIT))
     return turns

@@ -21,16 +21,18 @@ LOGP_FLOOR = -1e4
 
 
 def token_logprobs_and_entropy(
-    logits: Tensor, ids: Tensor, temperature: float, top_p: float = 1.0
+    logits: Tensor, ids: Tensor, temperature: float, top_p: float = 1.0, entropy_grad: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Logprob of ``ids`` (already shifted to align with ``logits``) and the detached entropy."""
+    """Logprob of ``ids`` (already shifted to align with ``logits``) and the entropy of the
+    sampling distribution (detached unless ``entropy_grad``, for an entropy bonus)."""
     logp_all = sampling_logprobs(logits, temperature, top_p)
     logp = logp_all.gather(-1, ids.unsqueeze(-1).long()).squeeze(-1)
     if top_p < 1.0:
         logp = logp.clamp(min=LOGP_FLOOR)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         p = logp_all.exp()
-        entropy = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
+        # where(): tokens outside the nucleus have p = 0 and logp = -inf (0 * -inf = nan)
+        entropy = -torch.where(p > 0, p * logp_all.clamp(min=LOGP_FLOOR), torch.zeros_like(p)).sum(-1)
     return logp, entropy
 
 
@@ -40,6 +42,7 @@ def sequence_logprobs(
     attention_mask: Tensor,
     temperature: float,
     top_p: float = 1.0,
+    entropy_grad: bool = False,
     **forward_kwargs: object,
 ) -> tuple[Tensor, Tensor]:
     """Logprobs of input_ids[:, 1:] given their prefixes, and the entropy at those positions.
@@ -48,4 +51,6 @@ def sequence_logprobs(
     Padding must be on the right (positions then need no adjustment).
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **forward_kwargs)
-    return token_logprobs_and_entropy(out.logits[:, :-1, :], input_ids[:, 1:], temperature, top_p)
+    return token_logprobs_and_entropy(
+        out.logits[:, :-1, :], input_ids[:, 1:], temperature, top_p, entropy_grad=entropy_grad
+    )

@@ -1,13 +1,15 @@
-"""Policy-gradient loss: PPO-clip (asymmetric) with token-level truncated IS.
+"""Policy-gradient loss: PPO-clip (asymmetric) with sampler/trainer importance-sampling corrections.
 
 Three policies are kept apart (LESSONS.md, "Sampler/trainer mismatch"):
 - rollout: the sampler's logprobs (engine numerics, maybe stale weights),
-- old: the trainer's logprobs before this update (the PPO anchor),
+- old: the trainer's logprobs before this update (the PPO anchor, computed once, no grad),
 - current: the trainer's logprobs with gradients.
-ratio = exp(cur - old) is clipped to [1 - clip_low, 1 + clip_high]; the sampler/trainer
-mismatch is corrected by a detached weight w = min(exp(old - rollout), tis_cap).
-With one update per batch, old is cur.detach() (pass old_logp=None): the ratio is then
-exactly 1 in value and only its gradient is used.
+ratio = exp(cur - old) is clipped to [1 - clip_low, 1 + clip_high]; the sampler/trainer mismatch
+is corrected by a detached weight built from exp(old - rollout) (see :func:`is_correction`).
+With one update per batch, old is cur.detach() (pass old_logp=None): the ratio is then exactly 1
+in value and only its gradient is used.
+
+Rejected tokens (IS masking) leave the numerator AND the denominator of the aggregation.
 """
 
 from __future__ import annotations
@@ -17,7 +19,84 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum")
+# token-mean: every kept token of the batch weighs the same.
+# seq-mean-token-mean: mean per group (a rollout), then mean over groups.
+# seq-mean-token-sum: sum per group, then mean over groups (Dr. GRPO-style length-unbiased).
+# token-sum: plain sum (normalise by a constant outside).
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum")
+# tis: token weight min(r, cap); mis: token weight r, tokens with r > cap rejected;
+# seq-tis / seq-mis: the same with the sequence ratio prod(r) (over kept tokens); none: weight 1.
+IS_MODES = ("tis", "mis", "seq-tis", "seq-mis", "none")
+# Usual rejection bounds (LESSONS.md): geometric sequence masking and token masking.
+GEO_SEQ_MASK = (0.99, 1.01)
+TOKEN_MASK = (0.5, 2.0)
+_MAX_LOG = 30.0  # exp() bound: a wild masked/padding token must not make inf (inf * 0 = nan)
+
+
+@dataclass
+class ISCorrection:
+    weight: Tensor  # [B, T] detached multiplicative weight (1 where not applicable)
+    keep: Tensor  # [B, T] bool: loss token that was not rejected
+    truncated: Tensor  # [B, T] bool: the weight hit its cap (tis / seq-tis)
+    log_ratio: Tensor  # [B, T] old - rollout on loss tokens, 0 elsewhere
+
+
+def is_correction(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor | None = None,
+    mode: str = "tis",
+    cap: float | None = 2.0,
+    token_mask: tuple[float, float] | None = None,
+    seq_mask: tuple[float, float] | None = None,
+) -> ISCorrection:
+    """Importance weights old/rollout and rejections, per token of [B, T] (rows are sequences).
+
+    - ``token_mask=(lo, hi)``: reject a token whose ratio r = exp(old - rollout) is outside.
+    - ``seq_mask=(lo, hi)``: reject a whole row whose geometric-mean ratio exp(mean log r) is outside.
+    - ``mode``: see IS_MODES; "mis" / "seq-mis" reject instead of truncating above ``cap``.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown IS mode {mode!r}; choose one of {IS_MODES}")
+    with torch.no_grad():
+        m = torch.ones_like(old_logp, dtype=torch.bool) if mask is None else mask.bool()
+        log_r = torch.where(m, old_logp.detach().float() - rollout_logp.detach().float(), 0.0)
+        keep = m.clone()
+        if token_mask is not None:
+            lo, hi = token_mask
+            r = torch.exp(log_r.clamp(-_MAX_LOG, _MAX_LOG))
+            keep &= (r >= lo) & (r <= hi)
+        if seq_mask is not None:
+            lo, hi = seq_mask
+            n = m.sum(-1).clamp(min=1)
+            geo = torch.exp((log_r.sum(-1) / n).clamp(-_MAX_LOG, _MAX_LOG))
+            keep &= ((geo >= lo) & (geo <= hi)).unsqueeze(-1)
+        weight = torch.ones_like(log_r)
+        truncated = torch.zeros_like(keep)
+        if mode in ("tis", "mis"):
+            w = torch.exp(log_r.clamp(max=_MAX_LOG))
+            if cap is not None and mode == "tis":
+                truncated = keep & (w > cap)
+                w = w.clamp(max=cap)
+            elif cap is not None:
+                keep &= w <= cap
+            weight = torch.where(keep, w, 1.0)
+        elif mode in ("seq-tis", "seq-mis"):
+            seq_log = torch.where(keep, log_r, 0.0).sum(-1)
+            w = torch.exp(seq_log.clamp(max=_MAX_LOG))
+            if cap is not None and mode == "seq-tis":
+                truncated = keep & (w > cap).unsqueeze(-1)
+                w = w.clamp(max=cap)
+            elif cap is not None:
+                keep &= (w <= cap).unsqueeze(-1)
+            weight = torch.where(keep, w.unsqueeze(-1).expand_as(log_r), 1.0)
+    return ISCorrection(weight=weight, keep=keep, truncated=truncated, log_ratio=log_r)
+
+
+def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(p || ref) from samples: exp(ref - p) - (ref - p) - 1 (>= 0)."""
+    d = (ref_logp - logp).clamp(-_MAX_LOG, _MAX_LOG)
+    return torch.exp(d) - d - 1.0
 
 
 @dataclass
@@ -27,6 +106,8 @@ class PolicyTerms:
     is_weight: Tensor  # [B, T], detached
     clipped: Tensor  # [B, T] bool: the clipped branch was active (no gradient flows)
     truncated: Tensor  # [B, T] bool: the IS weight hit its cap
+    keep: Tensor  # [B, T] bool: loss tokens left after IS rejection (the aggregation mask)
+    kl_ref: Tensor | None = None  # [B, T] detached k3 to the reference, when given
 
 
 def policy_terms(
@@ -37,13 +118,29 @@ def policy_terms(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     tis_cap: float | None = 2.0,
+    *,
+    mask: Tensor | None = None,
+    is_mode: str = "tis",
+    token_mask: tuple[float, float] | None = None,
+    seq_mask: tuple[float, float] | None = None,
+    correction: ISCorrection | None = None,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> PolicyTerms:
-    """Per-token PPO-clip loss terms (no masking, no aggregation)."""
+    """Per-token loss terms (no aggregation).
+
+    token_loss = -w * min(ratio * A, clip(ratio) * A) + kl_coef * k3(cur, ref) - entropy_coef * H.
+    ``correction`` (precomputed from old vs rollout) overrides the IS arguments.
+    """
     old = cur_logp.detach() if old_logp is None else old_logp.detach()
     adv = advantages.to(cur_logp.dtype)
     if adv.dim() == cur_logp.dim() - 1:
         adv = adv.unsqueeze(-1)  # one advantage per sequence -> every token
     adv = adv.expand_as(cur_logp)
+    if correction is None:
+        correction = is_correction(old, rollout_logp, mask, is_mode, tis_cap, token_mask, seq_mask)
     # Bounded log-ratio: exp() of a wild (e.g. masked) token must not make inf, whose
     # backward through where()/masking would give 0 * inf = nan.
     ratio = torch.exp((cur_logp - old).clamp(-20.0, 20.0))
@@ -51,21 +148,23 @@ def policy_terms(
     unclipped_obj = ratio * adv
     clipped_obj = clipped_ratio * adv
     obj = torch.minimum(unclipped_obj, clipped_obj)
-    with torch.no_grad():
-        log_w = old - rollout_logp.detach().to(old.dtype)
-        # Clamp the exponent so a wild masked/padding token cannot overflow to inf (inf * 0 = nan).
-        w = torch.exp(log_w.clamp(max=30.0))
-        truncated = torch.zeros_like(w, dtype=torch.bool)
-        if tis_cap is not None:
-            truncated = w > tis_cap
-            w = w.clamp(max=tis_cap)
-        clipped = clipped_obj < unclipped_obj
+    token_loss = -(correction.weight.to(obj.dtype) * obj)
+    kl_ref = None
+    if ref_logp is not None:
+        kl = k3(cur_logp, ref_logp.detach())
+        kl_ref = kl.detach()
+        if kl_coef:
+            token_loss = token_loss + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        token_loss = token_loss - entropy_coef * entropy
     return PolicyTerms(
-        token_loss=-(w * obj),
+        token_loss=token_loss,
         ratio=ratio.detach(),
-        is_weight=w,
-        clipped=clipped,
-        truncated=truncated,
+        is_weight=correction.weight,
+        clipped=(clipped_obj < unclipped_obj).detach(),
+        truncated=correction.truncated,
+        keep=correction.keep,
+        kl_ref=kl_ref,
     )
 
 
@@ -79,11 +178,12 @@ def aggregate(
 ) -> Tensor:
     """Reduce per-token losses; masked tokens leave numerator AND denominator.
 
-    - token-mean: mean over all unmasked tokens of the batch.
-    - seq-mean-token-mean: mean per group of ``seq_ids`` ([B] or [B, T], e.g. a rollout index,
-      so a rollout split into several sequences is one group), then mean over groups.
-    - token-sum: plain sum (normalise by a constant outside, Dr. GRPO style).
+    ``seq_ids`` ([B] or [B, T]) groups rows for the seq-mean-* modes, e.g. a rollout index so a
+    rollout split into several sequences is one group (per-rollout normalisation); default: rows.
+    Groups left without any token do not count in the mean over groups.
     """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
     m = mask.to(token_loss.dtype)
     # where() rather than multiply: a masked token holding inf/nan must not leak in.
     masked = torch.where(mask.bool(), token_loss, torch.zeros_like(token_loss))
@@ -91,21 +191,43 @@ def aggregate(
         return masked.sum() / m.sum().clamp(min=1.0)
     if agg == "token-sum":
         return masked.sum()
+    ids = torch.arange(token_loss.shape[0], device=token_loss.device) if seq_ids is None else seq_ids
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(-1).expand_as(token_loss)
+    _, inv = torch.unique(ids, return_inverse=True)
+    n_groups = int(inv.max().item()) + 1
+    sums = torch.zeros(n_groups, dtype=token_loss.dtype, device=token_loss.device)
+    counts = torch.zeros_like(sums)
+    sums = sums.index_add(0, inv.flatten(), masked.flatten())
+    counts = counts.index_add(0, inv.flatten(), m.flatten())
+    present = counts > 0
+    if not bool(present.any()):
+        return masked.sum()  # zero, but keeps the graph
     if agg == "seq-mean-token-mean":
-        ids = torch.arange(token_loss.shape[0], device=token_loss.device) if seq_ids is None else seq_ids
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(-1).expand_as(token_loss)
-        _, inv = torch.unique(ids, return_inverse=True)
-        n_groups = int(inv.max().item()) + 1
-        sums = torch.zeros(n_groups, dtype=token_loss.dtype, device=token_loss.device)
-        counts = torch.zeros_like(sums)
-        sums = sums.index_add(0, inv.flatten(), masked.flatten())
-        counts = counts.index_add(0, inv.flatten(), m.flatten())
-        present = counts > 0
-        if not bool(present.any()):
-            return masked.sum()  # zero, but keeps the graph
         return (sums[present] / counts[present]).mean()
-    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+    return sums[present].mean()  # seq-mean-token-sum
+
+
+def sequence_weights(counts: list[int], groups: list[str], agg: str) -> list[float]:
+    """Per-row token weight so that sum(weight[row] * kept token losses) == aggregate(...).
+
+    ``counts``: kept loss tokens per row; ``groups``: the row's group (rollout id). Fixing these
+    before the first micro-batch makes gradient accumulation give exactly the full-batch gradient.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+    if agg == "token-sum":
+        return [1.0] * len(counts)
+    if agg == "token-mean":
+        total = sum(counts)
+        return [1.0 / total if total else 0.0] * len(counts)
+    per_group: dict[str, int] = {}
+    for g, c in zip(groups, counts):
+        per_group[g] = per_group.get(g, 0) + c
+    n_groups = sum(1 for c in per_group.values() if c > 0)
+    if agg == "seq-mean-token-mean":
+        return [1.0 / (n_groups * per_group[g]) if per_group[g] else 0.0 for g in groups]
+    return [1.0 / n_groups if per_group[g] else 0.0 for g in groups]  # seq-mean-token-sum
 
 
 def policy_loss(
@@ -119,19 +241,28 @@ def policy_loss(
     tis_cap: float | None = 2.0,
     agg: str = "token-mean",
     seq_ids: Tensor | None = None,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip loss with truncated IS, aggregated over unmasked tokens; returns (loss, metrics)."""
-    terms = policy_terms(cur_logp, old_logp, rollout_logp, advantages, clip_low, clip_high, tis_cap)
-    loss = aggregate(terms.token_loss, mask, agg, seq_ids)
-    b = mask.bool()
+    """PPO-clip loss with IS corrections, aggregated over kept tokens; returns (loss, metrics).
+
+    ``kwargs`` go to :func:`policy_terms` (is_mode, token_mask, seq_mask, ref_logp, kl_coef, ...).
+    """
+    terms = policy_terms(
+        cur_logp, old_logp, rollout_logp, advantages, clip_low, clip_high, tis_cap, mask=mask, **kwargs
+    )
+    loss = aggregate(terms.token_loss, terms.keep, agg, seq_ids)
+    b, k = mask.bool(), terms.keep
     with torch.no_grad():
         metrics = {
             "loss": float(loss.detach()),
-            "clip_frac": float(masked_mean(terms.clipped.float(), b)),
-            "ratio_mean": float(masked_mean(terms.ratio, b)),
-            "ratio_max": float(terms.ratio[b].max()) if bool(b.any()) else 1.0,
-            "is_weight_mean": float(masked_mean(terms.is_weight, b)),
-            "is_truncated_frac": float(masked_mean(terms.truncated.float(), b)),
-            "tokens": float(b.sum()),
+            "clip_frac": float(masked_mean(terms.clipped.float(), k)),
+            "ratio_mean": float(masked_mean(terms.ratio, k)),
+            "ratio_max": float(terms.ratio[k].max()) if bool(k.any()) else 1.0,
+            "is_weight_mean": float(masked_mean(terms.is_weight, k)),
+            "is_truncated_frac": float(masked_mean(terms.truncated.float(), k)),
+            "is_rejected_frac": float(masked_mean((b & ~k).float(), b)),
+            "tokens": float(k.sum()),
         }
+        if terms.kl_ref is not None:
+            metrics["kl_ref"] = float(masked_mean(terms.kl_ref, k))
     return loss, metrics

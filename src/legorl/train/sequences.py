@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from legorl.records import LLMCall, Rollout, TrainingSequence
 
+PAD_ROUTE = -1  # same sentinel as legorl.models.routing (kept torch-free here)
+
 
 @dataclass
 class _Open:
@@ -24,9 +26,9 @@ class _Open:
     loss_mask: list[int]
     logprobs: list[float]
     call_indices: list[int] = field(default_factory=list)
-    # Per-token routes; the first call that contained a position wins, so sampled tokens
-    # keep the routing of the call that sampled them (R3 replays sampling-time routes).
-    routes: list[list[list[int]]] | None = None
+    # Per-token routes (None = not recorded); the first call that contained a position wins, so
+    # sampled tokens keep the routing of the call that sampled them (R3 replays sampling-time routes).
+    routes: list[list[list[int]] | None] = field(default_factory=list)
 
 
 def _check(call: LLMCall) -> None:
@@ -42,12 +44,31 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
     return len(prefix) <= len(ids) and ids[: len(prefix)] == prefix
 
 
-def _call_routes(call: LLMCall) -> list[list[list[int]]] | None:
-    # Only routes covering prompt + completion can be replayed over a whole sequence.
+def _call_routes(call: LLMCall) -> list[list[list[int]] | None]:
+    """Routes of prompt + completion, one entry per token; None where the engine recorded none.
+
+    Engines usually have no route for the last sampled token (it is never fed back) and, with a
+    prefix cache, none for cached prompt tokens; such positions become -1 rows ("route freely")
+    when the sequence is materialised. Routes longer than the call are not trusted at all.
+    """
     n = len(call.prompt_ids) + len(call.completion_ids)
-    if call.routed_experts is not None and len(call.routed_experts) == n:
-        return call.routed_experts
-    return None
+    r = call.routed_experts
+    if r is None or len(r) > n:
+        return [None] * n
+    return [row if _recorded(row) else None for row in r] + [None] * (n - len(r))
+
+
+def _recorded(row: list[list[int]]) -> bool:
+    return bool(row) and any(x >= 0 for layer in row for x in layer)
+
+
+def _materialise(routes: list[list[list[int]] | None]) -> list[list[list[int]]] | None:
+    """[tokens][layers][top_k] with -1 rows (the padding sentinel, never expert 0) for gaps."""
+    known = next((row for row in routes if row is not None), None)
+    if known is None:
+        return None
+    gap = [[PAD_ROUTE] * len(known[0]) for _ in known]
+    return [row if row is not None else [list(x) for x in gap] for row in routes]
 
 
 def build_sequences(
@@ -85,7 +106,7 @@ def build_sequences(
                 token_ids=list(call.prompt_ids) + list(call.completion_ids),
                 loss_mask=[0] * len(call.prompt_ids) + c_mask,
                 logprobs=[0.0] * len(call.prompt_ids) + c_lp,
-                routes=list(routes) if routes is not None else None,
+                routes=routes,
             )
             open_seqs.append(target)
         else:
@@ -94,10 +115,10 @@ def build_sequences(
             target.token_ids += bridge + list(call.completion_ids)
             target.loss_mask += [0] * len(bridge) + c_mask
             target.logprobs += [0.0] * len(bridge) + c_lp
-            if target.routes is not None and routes is not None:
-                target.routes += routes[start:]
-            else:
-                target.routes = None
+            # Positions already held keep their earlier route; prompt positions the parent never
+            # routed (the parent's last sampled token) take this call's prefill route when recorded.
+            target.routes = [a if a is not None else b for a, b in zip(target.routes, routes)]
+            target.routes += routes[start:]
         target.call_indices.append(call.index)
         owner[call.index] = target
 
@@ -110,7 +131,7 @@ def build_sequences(
             rollout_logprobs=s.logprobs,
             advantage=float(advantage),
             n_sequences_in_rollout=len(kept),
-            routed_experts=s.routes,
+            routed_experts=_materialise(s.routes),
         )
         for s in kept
     ]

@@ -1,0 +1,80 @@
+"""Fallback backend: any transformers causal LM, one DynamicCache per slot.
+
+Used when the fast forward (engine/fast.py) does not cover the architecture. It implements the
+same slot interface as FastDecoder so the scheduler, sampling and prefix cache are shared, but a
+decode step runs one forward per active sequence (correct for every model, not fast). Routed
+experts are not recorded on this path (``routes`` is None).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class HFDecoder:
+    routes = None
+    moe_layers: list[int] = []
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
+        self.model = model
+        self.num_slots, self.max_len = num_slots, max_len
+        self.device = next(model.parameters()).device
+        # transformers renamed past_key_values -> cache; accept both so the engine survives upgrades.
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
+        self.caches: list[DynamicCache | None] = [None] * num_slots
+
+    def load_weights(self) -> None:  # the HF model is used directly: nothing to rebuild
+        pass
+
+    def _kv(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cache = self.caches[slot]
+        assert cache is not None, f"slot {slot} has no cache"
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+
+    def _forward(self, slot: int, ids: list[int], start: int) -> torch.Tensor:
+        cache = self.caches[slot] if start > 0 else None
+        if cache is None:
+            assert start == 0, "prefill from a non-zero start needs a cached prefix"
+            cache = DynamicCache()
+        elif cache.get_seq_length() != start:
+            cache.crop(start)
+        self.caches[slot] = cache
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=x, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        return out.logits[0].float()
+
+    def prefill(self, slot: int, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        logits = self._forward(slot, ids, start)
+        return logits if all_logits else logits[-1]
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        return torch.stack(
+            [self._forward(i, [t], p)[-1] for i, (t, p) in enumerate(zip(tokens, positions, strict=True))]
+        )
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        if src == dst or n <= 0:
+            return
+        kv = self._kv(src, n)
+        self.caches[dst] = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in kv])
+
+    def move(self, src: int, dst: int, n: int) -> None:
+        self.caches[dst], self.caches[src] = self.caches[src], None
+
+    def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], None]:
+        kv = self._kv(slot, n)
+        return [k.clone() for k, _ in kv], [v.clone() for _, v in kv], None
+
+    def load(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], routes: None, n: int) -> None:
+        self.caches[slot] = DynamicCache(
+            ddp_cache_data=[(a[:, :, :n].clone(), b[:, :, :n].clone()) for a, b in zip(k, v, strict=True)]
+        )
+
+    def get_routes(self, slot: int, n: int) -> None:
+        return None

@@ -1,0 +1,313 @@
+"""Read side of the run store for the dashboard: fast, paginated, safe while the trainer writes.
+
+Each server thread gets its own SQLite connection (WAL: readers never block the
+writer). The indexes the dashboard's filters need are added on open with
+CREATE INDEX IF NOT EXISTS, so an existing run directory works as it is.
+Results that depend only on the store's contents are cached until the store
+changes (its file and WAL sizes and times are the cache key).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from legorl.records import LLMCall, ToolCall
+from legorl.store import _CALL_COLS, _row_to_call
+
+T = TypeVar("T")
+
+INDEXES = (
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_step_outcome ON rollouts(step, outcome)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_outcome_step ON rollouts(outcome, step)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_task_step ON rollouts(task_id, step)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_harness_step ON rollouts(harness, step)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_reward ON rollouts(reward, step)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_split_group ON rollouts(split, step, group_id, reward, outcome)",
+)
+
+SORTABLE = {"step": "step", "task": "task_id", "harness": "harness", "outcome": "outcome", "reward": "reward",
+            "split": "split", "updated": "updated", "id": "id"}
+LIST_COLS = ("id, step, task_id, group_id, sample_index, harness, split, outcome, outcome_reason, reward, "
+             "weight_version_start, weight_version_end, timings_json, updated")
+
+
+class StoreMissing(FileNotFoundError):
+    """The run directory has no store.sqlite."""
+
+
+@dataclass
+class RolloutFilter:
+    step: int | None = None
+    step_min: int | None = None
+    step_max: int | None = None
+    task: str | None = None  # exact id, or a substring
+    harness: str | None = None
+    outcome: str | None = None  # one outcome, several comma-separated, or "failed" (anything but resolved)
+    split: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    masked: bool | None = None  # True: only rollouts without a reward (masked); False: only rewarded
+
+    def where(self) -> tuple[str, list[Any]]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        if self.step is not None:
+            clauses.append("step = ?")
+            params.append(self.step)
+        if self.step_min is not None:
+            clauses.append("step >= ?")
+            params.append(self.step_min)
+        if self.step_max is not None:
+            clauses.append("step <= ?")
+            params.append(self.step_max)
+        if self.task:
+            clauses.append("(task_id = ? OR task_id LIKE ? ESCAPE '\\')")
+            esc = self.task.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params += [self.task, f"%{esc}%"]
+        if self.harness:
+            clauses.append("harness = ?")
+            params.append(self.harness)
+        if self.outcome:
+            if self.outcome == "failed":
+                clauses.append("outcome IS NOT NULL AND outcome != 'resolved'")
+            elif self.outcome == "pending":
+                clauses.append("outcome IS NULL")
+            else:
+                names = [o.strip() for o in self.outcome.split(",") if o.strip()]
+                clauses.append(f"outcome IN ({', '.join('?' * len(names))})")
+                params += names
+        if self.split:
+            clauses.append("split = ?")
+            params.append(self.split)
+        if self.reward_min is not None:
+            clauses.append("reward >= ?")
+            params.append(self.reward_min)
+        if self.reward_max is not None:
+            clauses.append("reward <= ?")
+            params.append(self.reward_max)
+        if self.masked is True:
+            clauses.append("reward IS NULL AND outcome IS NOT NULL")
+        elif self.masked is False:
+            clauses.append("reward IS NOT NULL")
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+@dataclass
+class Page:
+    rows: list[dict[str, Any]]
+    total: int
+    page: int
+    per_page: int
+    facets: dict[str, list[str]] = field(default_factory=dict)
+
+
+class RunDB:
+    """The dashboard's view of one run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "store.sqlite"
+        if not self.path.is_file():
+            raise StoreMissing(f"{self.run_dir} has no store.sqlite: is it a run directory written by legorl train?")
+        self._local = threading.local()
+        self._cache: dict[tuple[Any, ...], tuple[tuple[int, ...], Any]] = {}
+        self._cache_lock = threading.Lock()
+        self.ensure_indexes()
+
+    def ensure_indexes(self) -> None:
+        conn = sqlite3.connect(str(self.path), timeout=30.0)
+        try:
+            conn.execute("PRAGMA busy_timeout=30000")
+            for sql in INDEXES:
+                conn.execute(sql)
+            conn.commit()
+        except sqlite3.OperationalError:
+            pass  # a read-only copy of a run: pages still work, filters scan
+        finally:
+            conn.close()
+
+    # ---- connections and caching ---------------------------------------------------------------
+    def conn(self) -> sqlite3.Connection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = sqlite3.connect(str(self.path), timeout=30.0, check_same_thread=False)
+            c.row_factory = sqlite3.Row
+            c.execute("PRAGMA busy_timeout=30000")
+            c.execute("PRAGMA query_only=1")
+            c.execute("PRAGMA cache_size=-65536")  # 64 MiB page cache per reader
+            self._local.conn = c
+        return c
+
+    def query(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> list[sqlite3.Row]:
+        return self.conn().execute(sql, tuple(params)).fetchall()
+
+    def version(self) -> tuple[int, ...]:
+        """Changes whenever anything was committed to the store (file and WAL size and time)."""
+        out: list[int] = []
+        for p in (self.path, self.path.with_name(self.path.name + "-wal")):
+            try:
+                st = p.stat()
+                out += [st.st_mtime_ns, st.st_size]
+            except FileNotFoundError:
+                out += [0, 0]
+        return tuple(out)
+
+    def cached(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
+        v = self.version()
+        with self._cache_lock:
+            hit = self._cache.get(key)
+        if hit is not None and hit[0] == v:
+            return hit[1]
+        value = compute()
+        with self._cache_lock:
+            if len(self._cache) > 512:
+                self._cache.clear()
+            self._cache[key] = (v, value)
+        return value
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def steps(self) -> list[tuple[int, float, dict[str, float]]]:
+        def load() -> list[tuple[int, float, dict[str, float]]]:
+            rows = self.query("SELECT step, t, metrics_json FROM steps ORDER BY step")
+            return [(int(r[0]), float(r[1] or 0.0), json.loads(r[2] or "{}")) for r in rows]
+
+        return self.cached(("steps",), load)
+
+    def run_info(self) -> dict[str, Any]:
+        rows = self.query("SELECT name, created, config_json FROM runs ORDER BY id DESC LIMIT 1")
+        if not rows:
+            return {"name": self.run_dir.name, "created": None, "config": {}}
+        return {"name": rows[0][0], "created": rows[0][1], "config": json.loads(rows[0][2] or "{}")}
+
+    # ---- rollouts ------------------------------------------------------------------------------------
+    def rollouts_page(self, f: RolloutFilter, sort: str = "step", desc: bool = True, page: int = 1,
+                      per_page: int = 50) -> Page:
+        where, params = f.where()
+        col = SORTABLE.get(sort, "step")
+        direction = "DESC" if desc else "ASC"
+        per_page = max(1, min(per_page, 500))
+        page = max(1, page)
+        sql = (f"SELECT {LIST_COLS} FROM rollouts{where} ORDER BY {col} {direction}, id {direction} "
+               "LIMIT ? OFFSET ?")
+        rows = self.query(sql, params + [per_page, (page - 1) * per_page])
+        total = int(self.query(f"SELECT COUNT(*) FROM rollouts{where}", params)[0][0])
+        ids = [r["id"] for r in rows]
+        calls: dict[str, tuple[int, int]] = {}
+        if ids:
+            marks = ", ".join("?" * len(ids))
+            for r in self.query(f"SELECT rollout_id, COUNT(*), SUM(length(completion_ids)) / 4 FROM llm_calls "
+                                f"WHERE rollout_id IN ({marks}) GROUP BY rollout_id", ids):
+                calls[r[0]] = (int(r[1]), int(r[2] or 0))
+        out = []
+        for r in rows:
+            d = dict(r)
+            timings = json.loads(d.pop("timings_json") or "{}")
+            d["duration_s"] = timings.get("total_s")
+            d["turns"], d["completion_tokens"] = calls.get(d["id"], (0, 0))
+            out.append(d)
+        return Page(rows=out, total=total, page=page, per_page=per_page, facets=self.facets())
+
+    def facets(self) -> dict[str, list[str]]:
+        """Distinct values for the filter drop-downs (index-only scans, cached)."""
+        def load() -> dict[str, list[str]]:
+            def distinct(col: str) -> list[str]:
+                return [str(r[0]) for r in self.query(f"SELECT DISTINCT {col} FROM rollouts WHERE {col} IS NOT NULL "
+                                                      f"ORDER BY {col} LIMIT 500")]
+            return {"harness": distinct("harness"), "outcome": distinct("outcome"), "split": distinct("split")}
+
+        return self.cached(("facets",), load)
+
+    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        rows = self.query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
+        if not rows:
+            return None
+        d = dict(rows[0])
+        d["report"] = json.loads(d.pop("report_json")) if d.get("report_json") else None
+        d["timings"] = json.loads(d.pop("timings_json") or "{}")
+        return d
+
+    def calls(self, rollout_id: str) -> list[LLMCall]:
+        rows = self.query(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,))
+        return [_row_to_call(r) for r in rows]
+
+    def light_calls(self, rollout_ids: list[str]) -> dict[str, list[LLMCall]]:
+        """Calls without token arrays (for behaviour analytics): request, text, tool calls, finish reason."""
+        out: dict[str, list[LLMCall]] = {rid: [] for rid in rollout_ids}
+        for i in range(0, len(rollout_ids), 500):
+            chunk = rollout_ids[i:i + 500]
+            marks = ", ".join("?" * len(chunk))
+            for r in self.query("SELECT rollout_id, idx, wire_format, request_json, finish_reason, completion_text, "
+                                f"tool_calls_json FROM llm_calls WHERE rollout_id IN ({marks}) ORDER BY idx, id", chunk):
+                out[r[0]].append(LLMCall(
+                    rollout_id=r[0], index=r[1], wire_format=r[2], request=json.loads(r[3] or "{}"),
+                    prompt_ids=[], completion_ids=[], completion_logprobs=[], finish_reason=r[4] or "",
+                    weight_version=0, completion_text=r[5] or "",
+                    tool_calls=[ToolCall(**d) for d in json.loads(r[6] or "[]")]))
+        return out
+
+    # ---- aggregates --------------------------------------------------------------------------------
+    def outcome_counts(self, split: str | None = "train") -> list[tuple[int, str, int]]:
+        """(step, outcome, count) for finished rollouts."""
+        cond = "outcome IS NOT NULL" + (" AND split = ?" if split else "")
+        rows = self.query(f"SELECT step, outcome, COUNT(*) FROM rollouts WHERE {cond} GROUP BY step, outcome "
+                          "ORDER BY step", (split,) if split else ())
+        return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
+
+    def eval_pass_rates(self) -> dict[str, list[tuple[int, float, int]]]:
+        """split -> [(step, resolved share, rollouts)] for evaluation rollouts (split eval-*)."""
+        rows = self.query("SELECT split, step, COUNT(*), SUM(outcome = 'resolved') FROM rollouts "
+                          "WHERE split >= 'eval-' AND split < 'eval.' AND outcome IS NOT NULL "
+                          "GROUP BY split, step ORDER BY split, step")
+        out: dict[str, list[tuple[int, float, int]]] = {}
+        for r in rows:
+            out.setdefault(str(r[0])[5:], []).append((int(r[1]), (r[3] or 0) / max(r[2], 1), int(r[2])))
+        return out
+
+    def group_stats(self, split: str = "train") -> dict[int, tuple[int, int]]:
+        """step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal)."""
+        rows = self.query("SELECT step, COUNT(*), SUM(n >= 2 AND lo = hi) FROM ("
+                          " SELECT step, group_id, COUNT(reward) n, MIN(reward) lo, MAX(reward) hi FROM rollouts"
+                          " WHERE split = ? AND reward IS NOT NULL GROUP BY step, group_id HAVING n >= 2)"
+                          " GROUP BY step", (split,))
+        return {int(r[0]): (int(r[1]), int(r[2] or 0)) for r in rows}
+
+    def recent_failures(self, limit: int = 10) -> list[dict[str, Any]]:
+        rows = self.query("SELECT id, step, task_id, split, outcome, outcome_reason FROM rollouts "
+                          "WHERE outcome IS NOT NULL AND outcome != 'resolved' ORDER BY step DESC, updated DESC "
+                          "LIMIT ?", (limit,))
+        return [dict(r) for r in rows]
+
+    def failure_examples(self, outcome: str, limit: int = 5) -> list[dict[str, Any]]:
+        rows = self.query("SELECT id, step, task_id, split, outcome_reason FROM rollouts WHERE outcome = ? "
+                          "ORDER BY step DESC, updated DESC LIMIT ?", (outcome, limit))
+        return [dict(r) for r in rows]
+
+    def failure_reasons(self, limit: int = 200) -> list[tuple[str, str, int, int]]:
+        """(outcome, reason prefix, count, last step), most frequent first."""
+        rows = self.query("SELECT outcome, substr(outcome_reason, 1, 90) r, COUNT(*) c, MAX(step) FROM rollouts "
+                          "WHERE outcome IS NOT NULL AND outcome != 'resolved' GROUP BY outcome, r "
+                          "ORDER BY c DESC LIMIT ?", (limit,))
+        return [(str(r[0]), str(r[1] or ""), int(r[2]), int(r[3])) for r in rows]
+
+    def rollout_ids_by_step(self, split: str = "train") -> dict[int, list[str]]:
+        rows = self.query("SELECT step, id FROM rollouts WHERE split = ? AND outcome IS NOT NULL "
+                          "ORDER BY step, id", (split,))
+        out: dict[int, list[str]] = {}
+        for r in rows:
+            out.setdefault(int(r[0]), []).append(str(r[1]))
+        return out
+
+    def harness_of(self, rollout_ids: list[str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for i in range(0, len(rollout_ids), 500):
+            chunk = rollout_ids[i:i + 500]
+            marks = ", ".join("?" * len(chunk))
+            for r in self.query(f"SELECT id, harness FROM rollouts WHERE id IN ({marks})", chunk):
+                out[str(r[0])] = str(r[1] or "")
+        return out

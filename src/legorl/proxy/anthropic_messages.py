@@ -1,0 +1,224 @@
+"""Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`), streaming and not.
+
+Content blocks become canonical messages: text blocks are joined, `tool_use` blocks become
+tool calls of the assistant message, each `tool_result` block becomes a tool message (before
+the text of the same user turn). Thinking blocks, images and documents are not rendered (the
+served model has no use for them); `cache_control`, `thinking`, `context_management` and other
+beta fields are accepted and ignored. With an `anthropic-beta` header, unknown top-level fields
+are accepted too (a beta may add any field).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from legorl.proxy.core import Choice, Completion, new_id
+from legorl.proxy.errors import ProxyError, anthropic_error_body
+from legorl.proxy.request import ChatRequest, Problems, function_tool, join_texts, require_object
+
+KNOWN = frozenset({
+    "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature",
+    "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers",
+    "context_management", "output_config", "output_format", "inference_geo", "speed", "betas",
+})
+COUNT_KNOWN = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers",
+                         "context_management", "output_config", "output_format", "betas"})
+STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+               "stop_sequence": "stop_sequence"}
+
+
+def _sse(event: str, obj: Any) -> str:
+    return f"event: {event}\ndata: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+class AnthropicMessages:
+    name = "anthropic_messages"
+    tool_id_prefix = "toolu_"
+
+    def __init__(self, tokenizer: Any = None, strict_fields: bool = True):
+        self.strict_fields = strict_fields
+
+    def new_id(self) -> str:
+        return new_id("msg_")
+
+    # ---- request --------------------------------------------------------------------------------
+    def parse(self, body: Any, headers: Any = None, *, count_only: bool = False) -> ChatRequest:
+        body = require_object(body)
+        p = Problems()
+        beta = headers is not None and bool(headers.get("anthropic-beta"))
+        if self.strict_fields and not beta:
+            p.unknown(body, COUNT_KNOWN if count_only else KNOWN)
+        model = p.typed(body, "model", str, "a string", required=True)
+        max_tokens = None if count_only else p.integer(body, "max_tokens", 1, required=True)
+        messages: list[dict[str, Any]] = []
+        system = body.get("system")
+        if system is not None:
+            text = _blocks_text(system, "system", p)
+            if text is not None:
+                messages.append({"role": "system", "content": text})
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            p.add("messages", "messages: must be a non-empty array of {role, content} objects")
+        else:
+            for i, m in enumerate(raw):
+                messages.extend(_message(m, i, p))
+        tools = _tools(body.get("tools"), p)
+        p.number(body, "temperature", 0, 1)
+        p.number(body, "top_p", 0, 1)
+        p.integer(body, "top_k", 0)
+        stream = p.boolean(body, "stream")
+        stop = p.stop_list(body, "stop_sequences")
+        choice = body.get("tool_choice")
+        if choice is not None and not (isinstance(choice, dict) and isinstance(choice.get("type"), str)):
+            p.add("tool_choice", "tool_choice: must be an object with a 'type' (auto, any, tool or none)")
+        p.raise_if_any()
+        no_tools = isinstance(choice, dict) and choice.get("type") == "none"
+        return ChatRequest(wire_format=self.name, body=body, messages=messages, tools=tools, model=model or "",
+                           max_tokens=max_tokens, stop=stop, stream=stream,
+                           parse_tools=bool(tools) and not no_tools)
+
+    # ---- answers --------------------------------------------------------------------------------
+    @staticmethod
+    def _content(c: Choice) -> list[dict[str, Any]]:
+        blocks: list[dict[str, Any]] = []
+        if c.content or not c.tool_calls:
+            blocks.append({"type": "text", "text": c.content or ""})
+        for t in c.tool_calls:
+            blocks.append({"type": "tool_use", "id": t.id, "name": t.name, "input": json.loads(t.arguments)})
+        return blocks
+
+    @staticmethod
+    def _usage(comp: Completion, output_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": comp.prompt_tokens, "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+    def answer(self, comp: Completion, req: ChatRequest) -> dict[str, Any]:
+        c = comp.choices[0]
+        return {"id": comp.id, "type": "message", "role": "assistant", "model": comp.model,
+                "content": self._content(c), "stop_reason": STOP_REASON[c.finish],
+                "stop_sequence": c.stop_sequence, "usage": self._usage(comp, len(c.call.completion_ids))}
+
+    def stream(self, comp: Completion, req: ChatRequest) -> str:
+        c = comp.choices[0]
+        start = {"id": comp.id, "type": "message", "role": "assistant", "model": comp.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": self._usage(comp, 1)}
+        out = [_sse("message_start", {"type": "message_start", "message": start}), _sse("ping", {"type": "ping"})]
+        for i, block in enumerate(self._content(c)):
+            if block["type"] == "text":
+                out.append(_sse("content_block_start", {"type": "content_block_start", "index": i,
+                                                        "content_block": {"type": "text", "text": ""}}))
+                if block["text"]:
+                    out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": i,
+                                                            "delta": {"type": "text_delta", "text": block["text"]}}))
+            else:
+                first = {**block, "input": {}}
+                out.append(_sse("content_block_start", {"type": "content_block_start", "index": i,
+                                                        "content_block": first}))
+                partial = json.dumps(block["input"], ensure_ascii=False)
+                out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": i,
+                                                        "delta": {"type": "input_json_delta",
+                                                                  "partial_json": partial}}))
+            out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": i}))
+        out.append(_sse("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": STOP_REASON[c.finish],
+                                                    "stop_sequence": c.stop_sequence},
+                                          "usage": self._usage(comp, len(c.call.completion_ids))}))
+        out.append(_sse("message_stop", {"type": "message_stop"}))
+        return "".join(out)
+
+    # ---- errors ---------------------------------------------------------------------------------
+    def error_body(self, e: ProxyError) -> dict[str, Any]:
+        return anthropic_error_body(e)
+
+    def stream_error(self, e: ProxyError) -> str:
+        return _sse("error", anthropic_error_body(e))
+
+
+def _blocks_text(content: Any, where: str, p: Problems) -> str | None:
+    """Text of a string or an array of text blocks (other block types are not rendered)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        p.add(where, f"{where}: must be a string or an array of content blocks")
+        return None
+    texts = []
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            p.add(f"{where}.{j}", f"{where}.{j}: must be a content block object with a 'type'")
+            return None
+        if b["type"] == "text":
+            if not isinstance(b.get("text"), str):
+                p.add(f"{where}.{j}.text", f"{where}.{j}.text: must be a string")
+                return None
+            texts.append(b["text"])
+    return join_texts(texts)
+
+
+def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
+    where = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        p.add(where, f"{where}: must be an object with role 'user' or 'assistant'")
+        return []
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        p.add(f"{where}.content", f"{where}.content: must be a string or an array of content blocks")
+        return []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        bw = f"{where}.content.{j}"
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            p.add(bw, f"{bw}: must be a content block object with a 'type'")
+            return []
+        kind = b["type"]
+        if kind == "text":
+            if not isinstance(b.get("text"), str):
+                p.add(f"{bw}.text", f"{bw}.text: must be a string")
+                return []
+            texts.append(b["text"])
+        elif kind in ("tool_use", "server_tool_use"):
+            if role != "assistant" or not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                p.add(bw, f"{bw}: tool_use blocks need a name and an object input, on an assistant message")
+                return []
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b["name"], "arguments": b.get("input", {})}})
+        elif kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                p.add(f"{bw}.tool_use_id", f"{bw}.tool_use_id: must be a string")
+                return []
+            inner = b.get("content")
+            text = "" if inner is None else _blocks_text(inner, f"{bw}.content", p)
+            if text is None:
+                return []
+            results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        # thinking, redacted_thinking, image, document, search results...: accepted, not rendered
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": join_texts(texts) or None}
+        if calls:
+            msg["tool_calls"] = calls
+        return [msg]
+    out = list(results)
+    if texts or not results:
+        out.append({"role": role, "content": join_texts(texts)})
+    return out
+
+
+def _tools(tools: Any, p: Problems) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        p.add("tools", "tools: must be an array")
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            p.add(f"tools.{i}", f"tools.{i}: must be an object with a 'name'")
+            continue
+        if t.get("defer_loading") or t.get("type") not in (None, "custom"):
+            continue  # deferred (not loaded yet) or a server/built-in tool: not offered to the model
+        out.append(function_tool(t["name"], t.get("description"), t.get("input_schema")))
+    return out or None

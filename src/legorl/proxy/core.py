@@ -1,0 +1,166 @@
+"""The part every wire format shares: bridge the prompt, call the engine, parse, record.
+
+A wire-format module parses its request into a `ChatRequest`, hands it to `CallCore.complete`,
+and renders the returned `Completion` (JSON or an SSE stream built from it). The call is recorded
+(`on_call`) before the harness sees a byte of the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from legorl.engine.base import ContextOverflowError
+from legorl.proxy.bridge import PastCall, TokenBridge, normalize_message, reply_message
+from legorl.proxy.errors import ProxyError
+from legorl.proxy.request import ChatRequest
+from legorl.proxy.sessions import Session
+from legorl.proxy.toolcalls import ToolCallParser
+from legorl.records import GenerationResult, LLMCall, SamplingParams, ToolCall
+
+
+@dataclass
+class SamplingOverride:
+    """The run's sampling: what the harness asks for is recorded, this is what is used."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+
+@dataclass
+class Choice:
+    call: LLMCall
+    content: str | None  # text shown to the harness (before any tool call, stop string removed)
+    tool_calls: list[ToolCall]
+    finish: str  # "stop" | "length" | "tool_calls" | "stop_sequence"
+    stop_sequence: str | None = None
+
+
+@dataclass
+class Completion:
+    """One answered request: everything a wire format needs to reply (and to replay a retry)."""
+
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    choices: list[Choice]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def new_id(prefix: str, n: int = 12) -> str:
+    return prefix + secrets.token_hex(n)
+
+
+class CallCore:
+    def __init__(self, engine: Any, tokenizer: Any, *, sampling: SamplingOverride, parser: ToolCallParser,
+                 model_name: str, on_call: Callable[[LLMCall], None] | None):
+        self.engine = engine
+        self.tok = tokenizer
+        self.bridge = TokenBridge(tokenizer)
+        self.sampling = sampling
+        self.parser = parser
+        self.model_name = model_name
+        self.on_call = on_call
+        self.by_format: dict[str, int] = {}
+
+    def sampling_params(self, req: ChatRequest) -> SamplingParams:
+        cap = self.sampling.max_tokens
+        max_tokens = min(req.max_tokens, cap) if req.max_tokens and req.max_tokens > 0 else cap
+        return SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                              max_tokens=max_tokens, stop=list(req.stop), seed=req.seed)
+
+    async def complete(self, session: Session, req: ChatRequest, tool_id_prefix: str = "call_") -> Completion:
+        t_start = time.time()
+        bridged = self.bridge.build(req.messages, req.tools, session.history)
+        params = self.sampling_params(req)
+        engine = self.engine
+        try:
+            if req.n == 1:
+                results = [await engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)]
+            else:
+                results = list(await asyncio.gather(*(
+                    engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)
+                    for _ in range(req.n))))
+            for r in results:
+                _check_result(r)
+        except ContextOverflowError as e:
+            session.errors.append("context_overflow")
+            limit = engine.max_context() if hasattr(engine, "max_context") else None
+            raise ProxyError(_overflow_message(req.wire_format, len(bridged.prompt_ids), limit, e),
+                             "context_overflow", param="messages") from None
+        except Exception as e:  # the engine failed: the harness sees a 500, the rollout is an engine_error
+            session.errors.append("engine_error")
+            raise ProxyError(f"engine error: {type(e).__name__}: {e}", "engine_error") from None
+        t_end = time.time()
+        choices = []
+        for j, result in enumerate(results):
+            choices.append(self._record(session, req, bridged, result, j, t_start, t_end, tool_id_prefix))
+        self.by_format[req.wire_format] = self.by_format.get(req.wire_format, 0) + 1
+        return Completion(id="", created=int(t_start), model=req.model or self.model_name,
+                          prompt_tokens=len(bridged.prompt_ids), choices=choices)
+
+    def _record(self, session: Session, req: ChatRequest, bridged: Any, result: GenerationResult, j: int,
+                t_start: float, t_end: float, tool_id_prefix: str) -> Choice:
+        text = self.tok.decode(result.completion_ids, skip_special_tokens=False)
+        eos = self.bridge.eos_text
+        body_text = text.removesuffix(eos)
+        stop_sequence = None
+        if result.finish_reason == "stop" and not text.endswith(eos):
+            hits = [(body_text.find(s), s) for s in req.stop if s in body_text]
+            if hits:
+                at, stop_sequence = min(hits)
+                body_text = body_text[:at]
+        if req.parse_tools:
+            content, tool_calls = self.parser.parse(body_text)
+            for c in tool_calls:
+                c.id = new_id(tool_id_prefix)
+        else:
+            content, tool_calls = (body_text or None), []
+        finish = ("tool_calls" if tool_calls else "length" if result.finish_reason == "length"
+                  else "stop_sequence" if stop_sequence else "stop")
+        first = j == 0
+        call = LLMCall(
+            rollout_id=session.rollout_id, index=session.n_calls, wire_format=req.wire_format, request=req.body,
+            prompt_ids=bridged.prompt_ids, completion_ids=list(result.completion_ids),
+            completion_logprobs=list(result.logprobs), finish_reason=result.finish_reason,
+            weight_version=result.weight_version, completion_text=text, tool_calls=tool_calls,
+            parent_index=bridged.parent_index, segment_break=bridged.segment_break if first else None,
+            naive_prompt_differs=bridged.naive_differs, sampled_from_policy=result.sampled_from_policy,
+            routed_experts=result.routed_experts, t_start=t_start, t_end=t_end,
+        )
+        if self.on_call is not None:
+            self.on_call(call)  # persisted before the harness sees the answer
+        if first:
+            session.segments += bridged.parent_index is None
+            session.bridge_hits += bridged.parent_index is not None
+            session.drift_prevented += bool(bridged.naive_differs)
+        session.history.append(PastCall(
+            index=call.index, messages=[normalize_message(m) for m in req.messages],
+            tools_key=self.bridge.tools_key(req.tools), reply=normalize_message(reply_message(content, tool_calls)),
+            prompt_ids=call.prompt_ids, completion_ids=call.completion_ids))
+        session.n_calls += 1
+        return Choice(call=call, content=content, tool_calls=tool_calls, finish=finish,
+                      stop_sequence=stop_sequence)
+
+
+def _check_result(r: GenerationResult) -> None:
+    """Validate engine output on arrival (see LESSONS: ids silently lost as strings or empty)."""
+    ids, lps = r.completion_ids, r.logprobs
+    if not ids or len(ids) != len(lps) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"engine returned an invalid completion: {len(ids)} ids, {len(lps)} logprobs "
+                         "(ids must be a non-empty list of ints with one logprob each)")
+
+
+def _overflow_message(wire_format: str, n_prompt: int, limit: int | None, e: Exception) -> str:
+    if wire_format == "anthropic_messages":
+        return f"prompt is too long: {n_prompt} tokens > {limit if limit is not None else '?'} maximum"
+    if limit is not None:
+        return (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                f"{n_prompt} tokens. Please reduce the length of the messages.")
+    return f"This model's maximum context length was exceeded: {e}"

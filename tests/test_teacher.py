@@ -1,0 +1,30 @@
+"""Teacher scripts derived from gold patches: the sed edit reproduces the gold fix exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from legorl.tasks import builtin_splits
+from legorl.tasks.teacher import gold_line_edit, teacher_script
+
+TASKS = builtin_splits(48, 0, seed=3)[0]
+
+
+@pytest.mark.parametrize("task", TASKS, ids=lambda t: t.instance_id)
+def test_teacher_sed_turns_buggy_file_into_fixed_file(task, tmp_path):
+    edit = gold_line_edit(task.patch)
+    target = tmp_path / edit.path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(task.files[edit.path])
+    sed = next(json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", t, re.DOTALL).group(1))["arguments"]["command"]
+               for t in teacher_script(task) if "sed -i" in t)
+    subprocess.run(["bash", "-c", sed], cwd=tmp_path, check=True)
+    gold = tmp_path / "gold"
+    (gold / edit.path).parent.mkdir(parents=True)
+    (gold / edit.path).write_text(task.files[edit.path])
+    subprocess.run(["git", "apply", "-"], input=task.patch, text=True, cwd=gold, check=True)
+    assert target.read_text() == (gold / edit.path).read_text()
