@@ -124,8 +124,10 @@ def test_greedy_and_seeded_determinism_and_lengths(model, tok) -> None:
         assert len(r.completion_ids) == len(r.logprobs) > 0
         assert all(isinstance(t, int) for t in r.completion_ids) and all(lp <= 0 for lp in r.logprobs)
         assert r.weight_version == 0 and r.sampled_from_policy
-    assert g1 == g2
-    assert s1 == s2 and s1.completion_ids != s3.completion_ids
+    # The repeats reuse the first call's KV (prefix cache): equal up to fp32 rounding.
+    assert_same(g1, g2)
+    assert_same(s1, s2)
+    assert s1.completion_ids != s3.completion_ids
 
 
 def test_concurrent_requests_match_solo(model, tok) -> None:

@@ -72,7 +72,7 @@ def test_forced_routing_changes_outputs_and_uses_live_gate_weights(norm: bool) -
     forced = (own + 3) % N_EXPERTS  # other experts everywhere (top-2 stays distinct)
     # capture the gate weights the experts receive under replay
     seen: list[torch.Tensor] = []
-    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")][0]
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
     h = experts.register_forward_pre_hook(lambda mod, args: seen.append(args[2].detach().clone()))
     probs: list[torch.Tensor] = []
     router = find_routers(model)[0]
@@ -148,18 +148,25 @@ def test_kv_cache_decode_recording_matches_full_forward_routes() -> None:
 def test_bad_routes_are_rejected_clearly() -> None:
     model = tiny_moe()
     ids = _ids(1, 4)
-    with pytest.raises(ValueError, match="do not fit this model"):
-        with replay_routing(model, torch.zeros(1, 4, 3, TOP_K, dtype=torch.long)):
-            pass
-    with pytest.raises(ValueError, match="num_experts"):
-        with torch.no_grad(), replay_routing(model, torch.full((1, 4, LAYERS, TOP_K), N_EXPERTS)):
-            model(input_ids=ids)
-    with pytest.raises(ValueError, match="exactly this forward"):
-        with torch.no_grad(), replay_routing(model, torch.zeros(1, 5, LAYERS, TOP_K, dtype=torch.long)):
-            model(input_ids=ids)
+    too_many_layers = torch.zeros(1, 4, 3, TOP_K, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not fit this model"), replay_routing(model, too_many_layers):
+        pass
+    bad_expert = torch.full((1, 4, LAYERS, TOP_K), N_EXPERTS)
+    with pytest.raises(ValueError, match="num_experts"), torch.no_grad(), replay_routing(model, bad_expert):
+        model(input_ids=ids)
+    wrong_len = torch.zeros(1, 5, LAYERS, TOP_K, dtype=torch.long)
+    with pytest.raises(ValueError, match="exactly this forward"), torch.no_grad(), replay_routing(model, wrong_len):
+        model(input_ids=ids)
     dense = transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        transformers.Qwen3Config(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
     )
     assert routing_shape(dense) is None
     with pytest.raises(ValueError, match="no top-k MoE router"), record_routing(dense):
@@ -175,8 +182,15 @@ def test_routes_tensor_pads_with_sentinel() -> None:
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
 def test_other_hf_moe_routers_replay(arch: str) -> None:
-    common = dict(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2)
+    common = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_experts_per_tok": 2,
+    }
     torch.manual_seed(0)
     if arch == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))

@@ -31,10 +31,21 @@ def _fail(message: str) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
 def train(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config, e.g. configs/smoke.yaml")],
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="where the store, logs and checkpoints go")],
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config, e.g. configs/smoke.yaml")]
+    = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where the store, logs and checkpoints go")]
+    = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="continue a killed run from its directory")]
+    = None,
 ) -> None:
-    """Run RL steps. Extra arguments are dotted overrides: trainer.lr=1e-5 run.steps=3."""
+    """Run the job (demos, SFT, RL steps, evals as configured). Extra arguments are dotted overrides."""
+    if resume is not None:
+        saved = resume / "config.json"
+        if not saved.is_file():
+            _fail(f"{resume} has no config.json: is it a run directory written by `legorl train`?")
+        config, run_dir = saved, resume
+    if config is None or run_dir is None:
+        _fail("give --config FILE and --run-dir DIR (or --resume RUN_DIR)")
     try:
         cfg = load_config(config, list(ctx.args))
     except ConfigError as e:
@@ -42,7 +53,7 @@ def train(
     from legorl.pipeline import run_job
 
     console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
-    summary = asyncio.run(run_job(cfg, run_dir))
+    summary = asyncio.run(run_job(cfg, run_dir, resume=resume is not None))
     console.print(f"done in {summary['wall_time_s']:.0f}s. summary: {run_dir / 'summary.json'}; "
                   f"report: legorl report {run_dir} --json")
 
@@ -179,6 +190,17 @@ def doctor() -> None:
 
 # ---- commands that live with their part (each module keeps its imports light) -------------------
 # One line per command: app.command("name")(function) or app.add_typer(sub_app, name="name").
+from legorl.grading.cli import grade_command  # noqa: E402
+from legorl.tasks.cli import tasks_app  # noqa: E402
+
+app.command("grade")(grade_command)
+app.add_typer(tasks_app, name="tasks")
+from legorl.monitor.cli import dashboard_command
+
+app.command("dashboard")(dashboard_command)
+from legorl.engine.cli import serve_command
+
+app.command("serve")(serve_command)
 
 
 def main() -> None:

@@ -79,12 +79,42 @@ class TasksConfig(_Section):
     seed: int = 0
 
 
+OutcomeName = Literal["resolved", "unresolved", "agent_timeout", "agent_crash", "no_model_calls",
+                      "context_overflow", "max_turns", "sandbox_error", "engine_error", "grader_error",
+                      "invalid_capture"]
+
+
 class RolloutConfig(_Section):
-    tasks_per_step: int = Field(2, gt=0)
+    tasks_per_step: int = Field(2, gt=0)  # complete groups a step trains on
     group_size: int = Field(2, gt=0)
     concurrency: int = Field(4, gt=0)  # rollouts in flight at once
     agent_timeout: float = Field(120.0, gt=0)
     grading_timeout: float = Field(60.0, gt=0)
+    # Extra groups started per step: the step starts when tasks_per_step groups are complete and
+    # cancels the stragglers, so one slow rollout never blocks a step.
+    oversample_groups: int = Field(0, ge=0)
+    # Groups whose rewards are all equal teach nothing: replace up to this many per step with new tasks.
+    zero_variance_refills: int = Field(0, ge=0)
+    # What each outcome does: train (use the reward), mask (leave loss and baseline), retry (bounded).
+    policies: dict[OutcomeName, Literal["train", "mask", "retry"]] = Field(default_factory=dict)
+    max_retries: int = Field(2, ge=0)
+    retry_backoff: float = Field(1.0, ge=0.0)  # seconds, doubled per attempt
+
+
+class FaultsConfig(_Section):
+    """Chaos mode: inject each fault with the given probability per rollout (0 = off)."""
+
+    sandbox_killed: float = Field(0.0, ge=0.0, le=1.0)  # the sandbox dies mid-episode
+    harness_hang: float = Field(0.0, ge=0.0, le=1.0)  # the harness never returns
+    harness_crash: float = Field(0.0, ge=0.0, le=1.0)  # the harness process dies
+    no_model_calls: float = Field(0.0, ge=0.0, le=1.0)  # the harness exits without calling the model
+    engine_exception: float = Field(0.0, ge=0.0, le=1.0)  # per call: the engine raises
+    engine_malformed: float = Field(0.0, ge=0.0, le=1.0)  # per call: ids and logprobs disagree
+    grader_crash: float = Field(0.0, ge=0.0, le=1.0)
+    disk_full: float = Field(0.0, ge=0.0, le=1.0)  # the sandbox's disk fills up
+    slow_sandbox_start: float = Field(0.0, ge=0.0, le=1.0)
+    slow_start_seconds: float = Field(2.0, ge=0.0)
+    seed: int = 0
 
 
 class TrainerConfig(_Section):
@@ -140,6 +170,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
+    faults: FaultsConfig = FaultsConfig()
 
 
 def _parse_value(text: str) -> Any:

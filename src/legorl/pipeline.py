@@ -29,7 +29,11 @@ from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import Outcome, Rollout, TrainingSequence
-from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.rollout.episode import EpisodeContext
+from legorl.rollout.faults import FaultyEngine
+from legorl.rollout.faults import enabled as faults_enabled
+from legorl.rollout.outcomes import resolve_policies
+from legorl.rollout.scheduler import GroupRunner
 from legorl.sandbox import reap_orphans
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits, load_jsonl
@@ -71,8 +75,10 @@ class StepResult:
 class Driver:
     """Owns the long-lived parts of a run and runs its steps."""
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool = False):
         self.cfg = cfg
+        self.resume = resume
+        self.first_step = 0
         self.run_dir = run_dir.resolve()
         self.cache_dir = Path(cfg.run.cache_dir).expanduser()
         self.label = f"legorl-{self.run_dir.name}"
@@ -99,6 +105,8 @@ class Driver:
             engine_model, _ = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
                                                       self.cache_dir)
             self.engine = LocalEngine(engine_model, self.tokenizer, max_batch=cfg.engine.max_batch)
+        if faults_enabled(cfg.faults):
+            self.engine = FaultyEngine(self.engine, cfg.faults)
         t = cfg.trainer
         self.trainer = Trainer(policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                                temperature=cfg.sampling.temperature or 1.0, clip_low=t.clip_low,
@@ -112,13 +120,18 @@ class Driver:
         self.harness = MiniSweAgentHarness(cfg.harness, command_timeout=cfg.sandbox.command_timeout,
                                            log_dir=self.run_dir / "logs")
         await self.harness.start()
+        if self.resume:
+            await self._restore()
         self.train_tasks, self.heldout_tasks = load_tasks(cfg)
         hide = [self.run_dir, self.cache_dir]
         if cfg.tasks.path:
             hide.append(Path(cfg.tasks.path).resolve().parent)
         self.ctx = EpisodeContext(proxy=self.proxy, harness=self.harness, store=self.store, run_dir=self.run_dir,
                                   label=self.label, agent_timeout=cfg.rollout.agent_timeout,
-                                  grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide)
+                                  grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide,
+                                  policies=resolve_policies(cfg.rollout.policies), faults=cfg.faults)
+        self.runner = GroupRunner(self.ctx, concurrency=cfg.rollout.concurrency,
+                                  max_retries=cfg.rollout.max_retries, backoff=cfg.rollout.retry_backoff)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -132,57 +145,67 @@ class Driver:
 
     # ---- one step -------------------------------------------------------------------------------
     def tasks_for_step(self, step: int) -> list[Task]:
+        """The step's task pool: the groups to train on, then over-sampling and refill candidates."""
+        r = self.cfg.rollout
         rng = random.Random(self.cfg.run.seed * 100_003 + step)
-        k = min(self.cfg.rollout.tasks_per_step, len(self.train_tasks))
+        k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(self.train_tasks))
         return rng.sample(self.train_tasks, k)
 
+    def _progress(self, label: str, total: int) -> tuple[Progress, Any]:
+        progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=console, transient=True, disable=not console.is_terminal)
+        return progress, progress.add_task(label, total=total)
+
     async def rollouts(self, tasks: list[Task], step: int, samples: int, split: str) -> list[Rollout]:
-        sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
-        jobs = [(task, i) for task in tasks for i in range(samples)]
-        progress = Progress(TextColumn(f"step {step} {split} rollouts"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
-
-        async def one(task: Task, i: int) -> Rollout:
-            async with sem:
-                r = await run_episode(self.ctx, task, step=step, group_id=f"{step}:{task.instance_id}",
-                                      sample_index=i, split=split)
-            progress.advance(bar)
-            return r
-
+        """Every sample of every task, to completion (evaluation and demonstrations)."""
+        progress, bar = self._progress(f"step {step} {split} rollouts", len(tasks) * samples)
         with progress:
-            bar = progress.add_task("rollouts", total=len(jobs))
-            # return_exceptions: one rollout's bug must never abort the step
-            results = await asyncio.gather(*(one(t, i) for t, i in jobs), return_exceptions=True)
-        done = []
-        for (task, i), r in zip(jobs, results):
-            if isinstance(r, BaseException):
-                console.print(f"[red]rollout of {task.instance_id}#{i} raised {type(r).__name__}: {r}")
-                continue
-            done.append(r)
-        return done
+            groups, stats = await self.runner.all_groups(tasks, step, samples, split,
+                                                         on_rollout=lambda _: progress.advance(bar))
+        for err in stats.errors:
+            console.print(f"[red]rollout failed unexpectedly: {err}")
+        return [r for g in groups for r in g]
 
-    def sequences(self, rollouts: list[Rollout]) -> tuple[list[TrainingSequence], dict[str, float]]:
+    async def train_rollouts(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
+        r = self.cfg.rollout
+        progress, bar = self._progress(f"step {step} rollouts", (r.tasks_per_step + r.oversample_groups)
+                                       * r.group_size)
+        with progress:
+            groups, stats = await self.runner.train_groups(
+                self.tasks_for_step(step), r.tasks_per_step, step, r.group_size, oversample=r.oversample_groups,
+                refills=r.zero_variance_refills, on_rollout=lambda _: progress.advance(bar))
+        for err in stats.errors:
+            console.print(f"[red]rollout failed unexpectedly: {err}")
+        return [x for g in groups for x in g], stats.metrics()
+
+    def sequences(self, rollouts: list[Rollout]
+                  ) -> tuple[list[TrainingSequence], dict[str, float], list[tuple[str, int, float]]]:
+        """Token-exact sequences of the trainable rollouts, merge stats, and what was trained (for tracing)."""
         groups: dict[str, list[Rollout]] = {}
         for r in rollouts:
             groups.setdefault(r.group_id, []).append(r)
         seqs: list[TrainingSequence] = []
         all_calls = []
+        trained: list[tuple[str, int, float]] = []
         for members in groups.values():
             advs = group_advantages([r.reward for r in members], method=self.cfg.trainer.advantage,
                                     normalize_std=self.cfg.trainer.normalize_std)
             for r, adv in zip(members, advs):
                 if adv is None:  # masked: leaves the loss and the baseline
                     continue
-                seqs.extend(build_sequences(r.id, r.calls, adv))
+                built = build_sequences(r.id, r.calls, adv)
+                seqs.extend(built)
                 all_calls.extend(r.calls)
+                if built:
+                    trained.append((r.id, len(built), adv))
         stats = merge_stats(all_calls, seqs) if seqs else {}
-        return seqs, {f"seq/{k}": float(v) for k, v in stats.items()}
+        return seqs, {f"seq/{k}": float(v) for k, v in stats.items()}, trained
 
     async def step(self, step: int) -> StepResult:
         t0 = time.time()
-        rollouts = await self.rollouts(self.tasks_for_step(step), step, self.cfg.rollout.group_size, "train")
+        rollouts, group_metrics = await self.train_rollouts(step)
         t_roll = time.time() - t0
-        seqs, seq_metrics = self.sequences(rollouts)
+        seqs, seq_metrics, trained = self.sequences(rollouts)
         t1 = time.time()
         train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
         t_train = time.time() - t1
@@ -191,13 +214,15 @@ class Driver:
             version = await self.engine.update_weights(self.trainer.state_dict_for_engine())
         t_sync = time.time() - t2
         metrics = rollout_metrics(rollouts)
+        metrics.update(group_metrics)
         metrics.update(seq_metrics)
         metrics.update(train_metrics)
         metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
                         "time/step_s": time.time() - t0, "weight_version": float(version)})
-        self.store.add_step(step, metrics)
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint, step)
+        self.store.add_trained(step, trained)
+        self.store.add_step(step, metrics)  # after the checkpoint: a recorded step is never redone
         return StepResult(step, rollouts, metrics)
 
     def save_checkpoint(self, step: int) -> Path:
@@ -261,7 +286,7 @@ class Driver:
     async def train(self) -> list[StepResult]:
         results = []
         every = self.cfg.eval.every
-        for step in range(self.cfg.run.steps):
+        for step in range(self.first_step, self.cfg.run.steps):
             r = await self.step(step)
             if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.steps:
                 r.metrics.update(await self.evaluate(step))
@@ -271,32 +296,40 @@ class Driver:
         return results
 
     async def run(self) -> dict[str, Any]:
-        """The whole job: teacher demos -> SFT -> eval -> RL -> eval; writes summary.json."""
+        """The whole job: teacher demos -> SFT -> eval -> RL -> eval; keeps summary.json up to date."""
         t0 = time.time()
+        path = self.run_dir / "summary.json"
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
-        if self.cfg.sft.enabled and self.cfg.sft.demos:
+        if self.resume and path.is_file():
+            summary = json.loads(path.read_text())
+            summary.pop("after_rl", None)
+
+        def save() -> None:
+            path.write_text(json.dumps(summary, indent=2))
+
+        if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
             demos = await self.collect_demos(self.cfg.sft.demos)
             summary["sft"] = await self.sft(demos)
+            await asyncio.to_thread(self.trainer.save, self.run_dir / "checkpoints" / "sft")
+            save()
             console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
                           f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
-        if self.cfg.eval.before_training:
-            before = await self.evaluate(step=-1)
-            summary["before_rl"] = before
-            console.print(eval_line("before RL", before))
+        if self.cfg.eval.before_training and "before_rl" not in summary:
+            summary["before_rl"] = await self.evaluate(step=-1)
+            save()
+            console.print(eval_line("before RL", summary["before_rl"]))
         results = await self.train()
         if self.cfg.eval.after_training:
-            after = await self.evaluate(step=self.cfg.run.steps)
-            summary["after_rl"] = after
-            console.print(eval_line("after RL", after))
-        split = self.cfg.eval.split
-        key = f"eval/{split}/pass_at_1"
+            summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
+            console.print(eval_line("after RL", summary["after_rl"]))
+        key = f"eval/{self.cfg.eval.split}/pass_at_1"
         summary.update({
-            f"{split}_pass_at_1_before_rl": summary.get("before_rl", {}).get(key),
-            f"{split}_pass_at_1_after_rl": summary.get("after_rl", {}).get(key),
-            "steps": len(results),
-            "wall_time_s": time.time() - t0,
+            f"{self.cfg.eval.split}_pass_at_1_before_rl": summary.get("before_rl", {}).get(key),
+            f"{self.cfg.eval.split}_pass_at_1_after_rl": summary.get("after_rl", {}).get(key),
+            "steps": len(self.store.step_numbers()),
+            "wall_time_s": summary.get("wall_time_s", 0.0) + time.time() - t0,
         })
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        save()
         return summary
 
 
@@ -342,6 +375,6 @@ def step_line(r: StepResult) -> str:
             f"pearson {m.get('train/logprob_pearson', float('nan')):.3f}  {m.get('time/step_s', 0):.0f}s")
 
 
-async def run_job(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    async with Driver(cfg, run_dir) as driver:
+async def run_job(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    async with Driver(cfg, run_dir, resume=resume) as driver:
         return await driver.run()

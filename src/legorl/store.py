@@ -29,6 +29,9 @@ CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT, created REAL, config_json TEXT
 );
 CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, t REAL, metrics_json TEXT);
+CREATE TABLE IF NOT EXISTS trained_samples (
+    step INTEGER, rollout_id TEXT, sequences INTEGER, advantage REAL, PRIMARY KEY (step, rollout_id)
+);
 CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY, step INTEGER, task_id TEXT, group_id TEXT, sample_index INTEGER,
     harness TEXT, split TEXT, outcome TEXT, outcome_reason TEXT, reward REAL, diff TEXT,
@@ -125,6 +128,13 @@ class Store:
             self._conn.commit()
             return int(cur.lastrowid or 0)
 
+    def _update(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        """An UPDATE/DELETE; returns the number of rows it changed."""
+        with self._lock:
+            cur = self._conn.execute(sql, params)
+            self._conn.commit()
+            return cur.rowcount
+
     def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._conn.execute(sql, params).fetchall()
@@ -206,6 +216,30 @@ class Store:
             (step, time.time(), json.dumps(metrics)),
         )
 
+    def add_trained(self, step: int, samples: list[tuple[str, int, float]]) -> None:
+        """Which rollouts a step trained on: (rollout id, sequences, advantage). Every sample is traceable."""
+        with self._lock:
+            self._conn.execute("DELETE FROM trained_samples WHERE step = ?", (step,))
+            self._conn.executemany("INSERT INTO trained_samples VALUES (?, ?, ?, ?)",
+                                   [(step, rid, n, adv) for rid, n, adv in samples])
+            self._conn.commit()
+
+    def prepare_resume(self, last_done_step: int) -> dict[str, int]:
+        """Before resuming after `last_done_step`: what the killed driver left half-done.
+
+        Rollouts it never finished become masked `agent_crash`; the steps after the last
+        checkpoint are redone, so their step rows go and their rollouts are marked superseded
+        (kept for inspection, never trained on again).
+        """
+        reason = "the driver was killed during this rollout; its step was redone on resume"
+        n_open = self._update("UPDATE rollouts SET outcome = 'agent_crash', outcome_reason = ?, reward = NULL "
+                             "WHERE outcome IS NULL", (reason,))
+        n_old = self._update("UPDATE rollouts SET split = 'superseded', reward = NULL "
+                            "WHERE step > ? AND split = 'train'", (last_done_step,))
+        n_steps = self._update("DELETE FROM steps WHERE step > ?", (last_done_step,))
+        self._update("DELETE FROM trained_samples WHERE step > ?", (last_done_step,))
+        return {"abandoned_rollouts": n_open, "superseded_rollouts": n_old, "dropped_steps": n_steps}
+
     # ---- reads ------------------------------------------------------------------------------
 
     def calls_for(self, rollout_id: str) -> list[LLMCall]:
@@ -235,6 +269,9 @@ class Store:
     def last_step(self) -> int | None:
         row = self._query("SELECT MAX(step) FROM steps")[0]
         return None if row[0] is None else int(row[0])
+
+    def step_numbers(self) -> list[int]:
+        return [int(r["step"]) for r in self._query("SELECT step FROM steps ORDER BY step")]
 
     def step_metrics(self, step: int) -> dict[str, float]:
         rows = self._query("SELECT metrics_json FROM steps WHERE step = ?", (step,))
@@ -278,8 +315,32 @@ class Store:
             "rollouts": by_outcome,
             "llm_calls": fid["checked"],
             "fidelity": {**fid, "examples": examples},
+            "integrity": self._integrity(),
+            "faults": self._injected_faults(),
             "last_step": self.step_metrics(last) if last is not None else {},
         }
+
+    def _integrity(self) -> dict[str, int]:
+        """Every trained sample must trace back to one graded, trainable rollout with its calls."""
+        q = self._query
+        total = int(q("SELECT COUNT(*) FROM trained_samples")[0][0])
+        untraceable = int(q(
+            "SELECT COUNT(*) FROM trained_samples t LEFT JOIN rollouts r ON r.id = t.rollout_id "
+            "WHERE r.id IS NULL OR NOT EXISTS (SELECT 1 FROM llm_calls c WHERE c.rollout_id = t.rollout_id)")[0][0])
+        from_masked = int(q(
+            "SELECT COUNT(*) FROM trained_samples t JOIN rollouts r ON r.id = t.rollout_id "
+            "WHERE r.reward IS NULL OR r.outcome IS NULL")[0][0])
+        return {"trained_samples": total, "untraceable_samples": untraceable, "trained_from_masked": from_masked}
+
+    def _injected_faults(self) -> dict[str, dict[str, int]]:
+        """Chaos mode: for each injected fault, the outcomes of the rollouts it hit."""
+        out: dict[str, dict[str, int]] = {}
+        for row in self._query("SELECT outcome, outcome_reason FROM rollouts WHERE outcome_reason LIKE '%[injected:%'"):
+            names = row[1].rsplit("[injected:", 1)[1].rstrip("]").split(",")
+            for name in (n.strip() for n in names):
+                by = out.setdefault(name, {})
+                by[row[0]] = by.get(row[0], 0) + 1
+        return out
 
     def export_calls_jsonl(self, path: str | Path) -> int:
         """One JSON object per call (token arrays as lists). Returns the number written."""
@@ -291,6 +352,39 @@ class Store:
                 d["tool_calls"] = [tc.__dict__ for tc in c.tool_calls]
                 f.write(json.dumps(d) + "\n")
                 n += 1
+        return n
+
+    def export_calls_parquet(self, path: str | Path, batch: int = 2000) -> int:
+        """The same records as the JSONL export, as a Parquet file (needs pyarrow)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        writer = None
+        n = 0
+        rows: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            nonlocal writer
+            table = pa.Table.from_pylist(rows)
+            if writer is None:
+                writer = pq.ParquetWriter(str(path), table.schema)
+            writer.write_table(table)
+            rows.clear()
+
+        for row in self._iter_rows(f"SELECT {_CALL_COLS} FROM llm_calls ORDER BY rollout_id, idx, id"):
+            c = _row_to_call(row)
+            d = dict(c.__dict__)
+            d["request"] = json.dumps(c.request)
+            d["tool_calls"] = json.dumps([tc.__dict__ for tc in c.tool_calls])
+            d["routed_experts"] = json.dumps(c.routed_experts) if c.routed_experts is not None else None
+            rows.append(d)
+            n += 1
+            if len(rows) >= batch:
+                flush()
+        if rows:
+            flush()
+        if writer is not None:
+            writer.close()
         return n
 
     def _iter_rows(self, sql: str, batch: int = 500) -> Iterator[sqlite3.Row]:

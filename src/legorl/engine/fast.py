@@ -101,9 +101,11 @@ class FastDecoder:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
         # Routed experts of every cached position: [slots, max_len, moe_layers, top_k] (MoE only).
         self.routes = (
-            torch.zeros((num_slots, max_len, len(self.moe_layers), self.top_k), dtype=torch.int16,
-                        device=self.device)
-            if self.moe_layers else None
+            torch.zeros(
+                (num_slots, max_len, len(self.moe_layers), self.top_k), dtype=torch.int16, device=self.device
+            )
+            if self.moe_layers
+            else None
         )
         with torch.inference_mode():
             pos = torch.arange(max_len, device=self.device).unsqueeze(0)
@@ -171,6 +173,9 @@ class FastDecoder:
         """Compaction: slot ``src`` now lives in ``dst`` (``src`` becomes free)."""
         self.copy(src, dst, n)
 
+    def release(self, first_free: int) -> None:
+        """Slots >= first_free are free (nothing to do: the cache is preallocated)."""
+
     def export(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A compact copy of slot ``slot``'s first ``n`` positions: k, v [layers, kv, n, hd], routes."""
         k = torch.stack([k[slot, :, :n] for k in self.k])
@@ -178,9 +183,7 @@ class FastDecoder:
         routes = self.routes[slot, :n].clone() if self.routes is not None else None
         return k, v, routes
 
-    def load(
-        self, slot: int, k: torch.Tensor, v: torch.Tensor, routes: torch.Tensor | None, n: int
-    ) -> None:
+    def load(self, slot: int, k: torch.Tensor, v: torch.Tensor, routes: torch.Tensor | None, n: int) -> None:
         """Write the first ``n`` positions of an exported block into slot ``slot``."""
         for i in range(self.n_layers):
             self.k[i][slot, :, :n] = k[i, :, :n]
@@ -255,8 +258,11 @@ class FastDecoder:
             self.v[i][slot, :, start:end] = v.transpose(0, 1)
             qg = q.transpose(0, 1).reshape(1, self.n_kv, self.rep * t, self.head_dim)
             out = F.scaled_dot_product_attention(
-                qg, self.k[i][slot : slot + 1, :, :end], self.v[i][slot : slot + 1, :, :end],
-                attn_mask=mask, scale=self.scaling,
+                qg,
+                self.k[i][slot : slot + 1, :, :end],
+                self.v[i][slot : slot + 1, :, :end],
+                attn_mask=mask,
+                scale=self.scaling,
             )
             attn = out.view(self.n_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1)
             x, routes = self._block(i, layer, x, attn)
@@ -283,8 +289,10 @@ class FastDecoder:
             self.v[i][rows, :, pos] = v
             out = F.scaled_dot_product_attention(
                 q.view(n, self.n_kv, self.rep, self.head_dim),
-                self.k[i][:n, :, :length], self.v[i][:n, :, :length],
-                attn_mask=mask, scale=self.scaling,
+                self.k[i][:n, :, :length],
+                self.v[i][:n, :, :length],
+                attn_mask=mask,
+                scale=self.scaling,
             )
             x, routes = self._block(i, layer, x, out.reshape(n, -1))
             if routes is not None and self.routes is not None:

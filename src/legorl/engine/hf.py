@@ -2,22 +2,23 @@
 
 Used when the fast forward (engine/fast.py) does not cover the architecture. It implements the
 same slot interface as FastDecoder so the scheduler, sampling and prefix cache are shared, but a
-decode step runs one forward per active sequence (correct for every model, not fast). Routed
-experts are not recorded on this path (``routes`` is None).
+decode step runs one forward per active sequence (correct for every model, not fast). For MoE
+models with transformers top-k routers (Qwen3-MoE, Mixtral, OLMoE) the experts of every token are
+recorded with ``legorl.models.routing.record_routing``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from legorl.models.routing import find_routers, record_routing
+
 
 class HFDecoder:
-    routes = None
-    moe_layers: list[int] = []
-
     def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
         self.model = model
         self.num_slots, self.max_len = num_slots, max_len
@@ -27,6 +28,8 @@ class HFDecoder:
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self.caches: list[DynamicCache | None] = [None] * num_slots
+        # Per slot: routed experts of every cached position [n, moe_layers, top_k] (MoE models only).
+        self.routes: list[torch.Tensor | None] | None = [None] * num_slots if find_routers(model) else None
 
     def load_weights(self) -> None:  # the HF model is used directly: nothing to rebuild
         pass
@@ -46,7 +49,13 @@ class HFDecoder:
         self.caches[slot] = cache
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        recording = record_routing(self.model) if self.routes is not None else contextlib.nullcontext()
+        with recording as rec:
+            out = self.model(input_ids=x, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        if self.routes is not None:
+            new = rec.pop()[0].to(torch.int16)  # [T, layers, top_k]
+            old = self.routes[slot]
+            self.routes[slot] = new if start == 0 or old is None else torch.cat([old[:start], new])
         return out.logits[0].float()
 
     def prefill(self, slot: int, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
@@ -58,23 +67,47 @@ class HFDecoder:
             [self._forward(i, [t], p)[-1] for i, (t, p) in enumerate(zip(tokens, positions, strict=True))]
         )
 
+    def _slot_routes(self, slot: int, n: int) -> torch.Tensor | None:
+        if self.routes is None or self.routes[slot] is None:
+            return None
+        return self.routes[slot][:n]  # type: ignore[index]
+
     def copy(self, src: int, dst: int, n: int) -> None:
         if src == dst or n <= 0:
             return
-        kv = self._kv(src, n)
-        self.caches[dst] = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in kv])
+        k, v, routes = self.export(src, n)
+        self.load(dst, k, v, routes, n)
 
     def move(self, src: int, dst: int, n: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
+        if self.routes is not None:
+            self.routes[dst], self.routes[src] = self.routes[src], None
 
-    def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], None]:
+    def release(self, first_free: int) -> None:
+        """Drop the caches of slots >= first_free (they hold finished sequences)."""
+        for i in range(first_free, self.num_slots):
+            self.caches[i] = None
+            if self.routes is not None:
+                self.routes[i] = None
+
+    def export(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
         kv = self._kv(slot, n)
-        return [k.clone() for k, _ in kv], [v.clone() for _, v in kv], None
+        routes = self._slot_routes(slot, n)
+        return (
+            [k.clone() for k, _ in kv],
+            [v.clone() for _, v in kv],
+            None if routes is None else routes.clone(),
+        )
 
-    def load(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], routes: None, n: int) -> None:
+    def load(
+        self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], routes: torch.Tensor | None, n: int
+    ) -> None:
         self.caches[slot] = DynamicCache(
             ddp_cache_data=[(a[:, :, :n].clone(), b[:, :, :n].clone()) for a, b in zip(k, v, strict=True)]
         )
+        if self.routes is not None:
+            self.routes[slot] = None if routes is None else routes[:n].clone()
 
-    def get_routes(self, slot: int, n: int) -> None:
-        return None
+    def get_routes(self, slot: int, n: int) -> list[list[list[int]]] | None:
+        routes = self._slot_routes(slot, n)
+        return None if routes is None else routes.tolist()

@@ -1,16 +1,19 @@
-"""In-process torch engine with continuous batching, for CPU and single-GPU runs.
+"""In-process torch engine: continuous batching over a slot KV cache, with prefix reuse.
 
-One worker thread owns the model. Each new request is prefilled alone (exactly what it
-would see unbatched), then joins the running batch: its KV cache is left-padded to the
-batch length and stacked with the others. Every decode step runs one batched forward for
-all active requests (2D attention mask hides the padding; position ids are per row), and
-finished requests leave between steps. Async callers wait on asyncio futures that the
-worker resolves with ``loop.call_soon_threadsafe``.
+One worker thread owns the model. Active sequences live in KV slots ``0..n-1``
+(engine/fast.py for Qwen3-family models, engine/hf.py for anything else). Between decode steps
+new requests join: each is prefilled alone, after copying the longest cached prefix of its
+prompt (from the prefix cache of finished sequences, or from a running sequence with the same
+prompt, e.g. another sample of a GRPO group), so only the new tokens are computed. Every decode
+step runs one batched forward for all active sequences (each attends over its own length) and
+samples every row at once with its own parameters and random stream. Finished sequences leave
+between steps: their KV goes to the prefix cache, and the last slot moves into the hole.
 
 Weight updates are applied by the worker when the batch is empty: while one is pending no
-request is admitted, so a request never spans two weight versions.
+request is admitted, so a request never spans two weight versions; the prefix cache is cleared.
 
-Logprobs follow ``legorl.engine.sampling`` (the definition the trainer imports).
+Logprobs follow ``legorl.engine.sampling`` (the definition the trainer imports). Async callers
+wait on asyncio futures that the worker resolves with ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -18,32 +21,35 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import logging
 import random
 import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from legorl.engine.base import EngineError, check_prompt
-from legorl.engine.sampling import sample_token
+from legorl.engine.fast import FastDecoder, check_support
+from legorl.engine.hf import HFDecoder
+from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
+from legorl.engine.sampling import BatchParams, sample_batch
 from legorl.records import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, time, head_dim]
+Decoder = FastDecoder | HFDecoder
 
 
 @dataclasses.dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]
+    prompt_t: torch.Tensor  # CPU int64, for prefix matching
     params: SamplingParams
+    top_k: int
     max_new: int
     stop_ids: frozenset[int]
-    generator: torch.Generator
+    rng: random.Random  # the request's own stream: same samples alone or in any batch
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[GenerationResult]
     version: int = 0
@@ -51,6 +57,8 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: str | None = None
     cancelled: bool = False
+    n_cached: int = 0  # positions whose KV is in the request's slot
+    stop_window: int = 0  # tokens to decode when checking stop strings
 
     def add(self, token: int, logprob: float, tokenizer: PreTrainedTokenizerBase) -> None:
         """Record a sampled token and decide whether the request is finished."""
@@ -58,7 +66,9 @@ class _Request:
         self.logprobs.append(logprob)
         if token in self.stop_ids:
             self.finish = "stop"
-        elif self.params.stop and _hits_stop(self.completion, self.params.stop, tokenizer):
+        elif self.params.stop and _hits_stop(
+            self.completion[-self.stop_window :], self.params.stop, tokenizer
+        ):
             self.finish = "stop"  # keep every token up to the one completing the stop string
         elif len(self.completion) >= self.max_new:
             self.finish = "length"
@@ -72,6 +82,8 @@ class _Update:
 
 
 def _hits_stop(ids: list[int], stops: list[str], tokenizer: PreTrainedTokenizerBase) -> bool:
+    # Checked after every token, so an occurrence ends in the last token; the window of ids covers
+    # the longest stop string (every token is at least one byte).
     text = tokenizer.decode(ids, skip_special_tokens=False)
     return any(s and s in text for s in stops)
 
@@ -98,24 +110,40 @@ def _resolve(
         pass
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad dim -2 (time) of a [batch, heads, time, dim] tensor to ``length``."""
-    return F.pad(t, (0, 0, length - t.shape[-2], 0))
-
-
 class LocalEngine:
-    """Engine running a transformers causal LM in a background thread (see module docstring)."""
+    """Engine running a transformers causal LM in a background thread (see module docstring).
+
+    Args:
+        max_batch: concurrent sequences (KV slots, each ``max_context`` long, preallocated).
+        stop_token_ids: engine-wide stop ids (default ``<|im_end|>``, ``<|endoftext|>``).
+        prefix_cache_mb: memory bound of the prefix cache; 0 turns prefix reuse off.
+        fast: None = the fast forward when it covers the model (checked against the HF logits at
+            start-up), True = require it, False = always the HF fallback.
+        max_context: cap on the context (default: the model's ``max_position_embeddings``).
+        prefill_chunk: prefill token budget between two decode steps (at least one request is
+            admitted per step), so long prompts do not stall running sequences for long.
+        num_threads: torch intra-op threads (process-wide; None leaves torch's setting).
+    """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        max_batch: int = 8,
+        max_batch: int = 32,
         stop_token_ids: list[int] | None = None,
+        *,
+        prefix_cache_mb: float = 512.0,
+        fast: bool | None = None,
+        max_context: int | None = None,
+        prefill_chunk: int = 2048,
+        num_threads: int | None = None,
     ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.weight_version = 0
         if stop_token_ids is None:
             stop_token_ids = [
@@ -129,53 +157,100 @@ class LocalEngine:
         self.stop_token_ids = list(stop_token_ids)
         self._vocab = int(model.get_input_embeddings().weight.shape[0])
         self._device = next(model.parameters()).device
-        # transformers renamed past_key_values -> cache; accept both so the engine survives upgrades.
-        self._cache_kw = (
-            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        )
+        self._max_context = int(model.config.max_position_embeddings)
+        if max_context is not None:
+            self._max_context = min(self._max_context, max_context)
+        self.decoder: Decoder = self._make_decoder(fast)
+        self.backend = "fast" if isinstance(self.decoder, FastDecoder) else "hf"
+        self._record_routes = self.decoder.routes is not None
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20))
+        self._stats = collections.Counter[str]()
         self._seed_rng = random.Random()
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._updates: collections.deque[_Update] = collections.deque()
         self._closed = False
-        # Batch state, touched only by the worker thread.
-        self._rows: list[_Request] = []
-        self._kv: KV = []
-        self._cache: DynamicCache | None = None  # wraps _kv; rebuilt only when rows join or leave
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
+        self._clear_prefix = False
+        self._active: list[_Request] = []  # worker thread only; index == KV slot
+        self._params: BatchParams | None = None  # rebuilt when _active changes
         self._thread = threading.Thread(target=self._run, name="legorl-local-engine", daemon=True)
         self._thread.start()
+
+    def _make_decoder(self, fast: bool | None) -> Decoder:
+        reason = check_support(self.model) if fast is not False else "fast=False"
+        if reason is None:
+            dec = FastDecoder(self.model, self.max_batch, self._max_context)
+            reason = _verify(dec, self.model, self._vocab)
+            if reason is None:
+                return dec
+        if fast:
+            raise EngineError(f"fast engine path unavailable for this model: {reason}")
+        if fast is None:
+            log.warning("LocalEngine: using the slow HF fallback (%s)", reason)
+        return HFDecoder(self.model, self.max_batch, self._max_context)
 
     # ---- public API (event loop side) ----
 
     def max_context(self) -> int:
-        return int(self.model.config.max_position_embeddings)
+        return self._max_context
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: requests, prefill tokens computed/reused, generated tokens, cache state."""
+        s: dict[str, Any] = dict(self._stats)
+        for key in (
+            "requests",
+            "prompt_tokens",
+            "prefill_tokens_computed",
+            "prefill_tokens_reused",
+            "generated_tokens",
+            "decode_steps",
+        ):
+            s.setdefault(key, 0)
+        s["prefill_reuse_fraction"] = s["prefill_tokens_reused"] / max(1, s["prompt_tokens"])
+        s.update(
+            backend=self.backend,
+            weight_version=self.weight_version,
+            active=len(self._active),
+            waiting=len(self._waiting),
+            prefix_cache_entries=len(self.prefix),
+            prefix_cache_bytes=self.prefix.nbytes,
+            prefix_cache_evictions=self.prefix.evictions,
+        )
+        return s
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, rollout_id: str = ""
     ) -> GenerationResult:
         """Sample a completion for ``prompt_ids``.
 
-        Stops on any of the engine's stop ids (default ``<|im_end|>``, ``<|endoftext|>``) plus
-        ``params.stop_token_ids`` (the stop token is kept, with its logprob), or when the decoded
-        completion contains a ``params.stop`` string (tokens are kept up to and including the one that
-        completed it: token fidelity over text trimming). ``params.seed`` makes sampling reproducible,
-        also when batched with other requests.
+        Stops on any of the engine's stop ids plus ``params.stop_token_ids`` (the stop token is kept,
+        with its logprob), or when the decoded completion contains a ``params.stop`` string (tokens
+        are kept up to and including the one that completed it: token fidelity over text trimming).
+        ``params.seed`` makes sampling reproducible, also when batched with other requests.
+        ``params.top_k`` is honoured when SamplingParams carries it (0 = off).
         """
         check_prompt(prompt_ids, self._vocab, self.max_context())
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        top_k = int(getattr(params, "top_k", 0) or 0)
+        if top_k < 0 or not 0 < params.top_p <= 1 or params.temperature < 0:
+            raise EngineError(
+                f"bad sampling params: temperature {params.temperature} (>= 0), top_p {params.top_p} "
+                f"(in (0, 1]), top_k {top_k} (>= 0)"
+            )
         loop = asyncio.get_running_loop()
-        gen = torch.Generator(device=self._device)
-        gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = _Request(
             prompt_ids=list(prompt_ids),
+            prompt_t=torch.tensor(prompt_ids, dtype=torch.long),
             params=params,
+            top_k=top_k,
             max_new=min(params.max_tokens, self.max_context() - len(prompt_ids)),
             stop_ids=frozenset(self.stop_token_ids) | frozenset(params.stop_token_ids),
-            generator=gen,
+            rng=random.Random(seed),
             loop=loop,
             future=loop.create_future(),
+            stop_window=max((len(s.encode()) for s in params.stop), default=0) + 2,
         )
         with self._cv:
             if self._closed:
@@ -210,6 +285,16 @@ class LocalEngine:
             self._cv.notify()
         return await upd.future
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (done by the worker before its next step)."""
+        with self._cv:
+            self._clear_prefix = True
+            self._cv.notify()
+
     async def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -222,31 +307,47 @@ class LocalEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._closed or self._waiting or self._rows or self._updates):
+                    while not (
+                        self._closed or self._waiting or self._active or self._updates or self._clear_prefix
+                    ):
                         self._cv.wait()
                     if self._closed:
                         break
+                    if self._clear_prefix:
+                        self.prefix.clear()
+                        self._clear_prefix = False
                     admitted: list[_Request] = []
-                    update = self._updates.popleft() if self._updates and not self._rows else None
+                    update = self._updates.popleft() if self._updates and not self._active else None
                     if not self._updates:  # drain the batch before a pending update
-                        while self._waiting and len(self._rows) + len(admitted) < self.max_batch:
+                        while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                             admitted.append(self._waiting.popleft())
                 if update is not None:
                     self._apply_update(update)
                     continue
-                for req in admitted:
-                    if not req.cancelled:
-                        self._prefill(req)
-                if self._rows:
-                    self._decode_step()
+                with torch.inference_mode():
+                    self._admit(admitted)
+                    if self._active:
+                        self._decode_step()
+        except Exception:
+            log.exception("engine worker died")
         finally:
             with self._cv:  # also when the worker died: later calls fail fast instead of hanging
                 self._closed = True
             self._fail_all(EngineError("engine closed"))
 
+    def _admit(self, admitted: list[_Request]) -> None:
+        budget = self.prefill_chunk
+        for i, req in enumerate(admitted):
+            if budget <= 0:  # the rest waits for the next step, in order
+                with self._cv:
+                    self._waiting.extendleft(reversed(admitted[i:]))
+                return
+            if not req.cancelled:
+                budget -= self._prefill(req)
+
     def _fail_all(self, error: EngineError) -> None:
         with self._cv:
-            pending = list(self._waiting) + self._rows
+            pending = list(self._waiting) + self._active
             self._waiting.clear()
             updates = list(self._updates)
             self._updates.clear()
@@ -254,114 +355,152 @@ class LocalEngine:
             _resolve(req.future, req.loop, error=error)
         for upd in updates:
             _resolve(upd.future, upd.loop, error=error)
-        self._reset_batch()
-
-    def _reset_batch(self) -> None:
-        self._rows, self._kv, self._cache = [], [], None
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self._device)
+        self._active = []
 
     def _apply_update(self, upd: _Update) -> None:
         try:
             with torch.no_grad():
                 self.model.load_state_dict(upd.state_dict, strict=False)
+            self.decoder.load_weights()
+            self.prefix.clear()  # KV of the old weights must never serve the new ones
             self.weight_version += 1
             _resolve(upd.future, upd.loop, self.weight_version)
         except Exception as e:  # unexpected backend failure
             log.exception("update_weights failed")
             _resolve(upd.future, upd.loop, error=EngineError(f"update_weights failed: {e}"))
 
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, cache: DynamicCache
-    ) -> torch.Tensor:
-        kwargs = {self._cache_kw: cache}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
-        return out.logits[:, -1, :].float()
+    def _reuse(self, req: _Request, slot: int) -> int:
+        """Copy the longest cached prefix of the prompt into ``slot``; returns its length."""
+        limit = len(req.prompt_ids) - 1  # the last prompt token is always run: its logits are needed
+        entry, n = self.prefix.match(req.prompt_t, limit) if self.prefix.max_bytes > 0 else (None, 0)
+        source = None
+        if self.prefix.max_bytes > 0:
+            for other in self._active:  # e.g. another sample of the same group, already prefilled
+                m = min(common_prefix(other.prompt_t, req.prompt_t), other.n_cached, limit)
+                if m > n:
+                    source, n = other, m
+        if source is not None:
+            self.decoder.copy(self._active.index(source), slot, n)
+        elif entry is not None and n > 0:
+            self.decoder.load(slot, entry.k, entry.v, entry.routes, n)
+        return n
 
-    def _finish(self, req: _Request) -> None:
-        result = GenerationResult(req.completion, req.logprobs, req.finish or "length", req.version)
-        _resolve(req.future, req.loop, result)
-
-    def _prefill(self, req: _Request) -> None:
-        """Run the prompt alone, sample the first token, then merge the request into the batch."""
+    def _prefill(self, req: _Request) -> int:
+        """Prefill a request into the next free slot, sample its first token; returns tokens computed."""
+        slot = len(self._active)
         req.version = self.weight_version
         try:
-            cache = DynamicCache()
-            ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self._device)
-            with torch.inference_mode():
-                logits = self._forward(ids, None, None, cache)
-            tok, lp = sample_token(logits[0], req.params.temperature, req.params.top_p, req.generator)
-            req.add(tok, lp, self.tokenizer)
+            reused = self._reuse(req, slot)
+            logits = self.decoder.prefill(slot, req.prompt_ids[reused:], reused)
+            req.n_cached = len(req.prompt_ids)
+            params = BatchParams([req.params.temperature], [req.params.top_p], [req.top_k], self._device)
+            u = req.rng.random() if req.params.temperature > 0 else 0.0
+            toks, lps = sample_batch(logits.unsqueeze(0), params, [u])
+            req.add(toks[0], lps[0], self.tokenizer)
         except Exception as e:
             log.exception("prefill failed")
             _resolve(req.future, req.loop, error=EngineError(f"prefill failed: {e}"))
-            return
-        if req.finish:
-            self._finish(req)
-            return
-        new_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        t_new, t_old = new_kv[0][0].shape[-2], self._mask.shape[1]
-        length = max(t_new, t_old)
-        new_mask = torch.ones(1, t_new, dtype=torch.long, device=self._device)
-        if not self._rows:
-            self._kv, self._mask = new_kv, new_mask
-            self._cache = cache
-        else:
-            self._cache = None
-            self._kv = [
-                (
-                    torch.cat([_left_pad(k, length), _left_pad(nk, length)]),
-                    torch.cat([_left_pad(v, length), _left_pad(nv, length)]),
-                )
-                for (k, v), (nk, nv) in zip(self._kv, new_kv, strict=True)
-            ]
-            self._mask = torch.cat(
-                [F.pad(self._mask, (length - t_old, 0)), F.pad(new_mask, (length - t_new, 0))]
-            )
-        self._rows.append(req)
+            return 0
+        computed = len(req.prompt_ids) - reused
+        self._stats.update(
+            requests=1,
+            prompt_tokens=len(req.prompt_ids),
+            prefill_tokens_computed=computed,
+            prefill_tokens_reused=reused,
+            generated_tokens=1,
+        )
+        self._active.append(req)
+        self._params = None
+        if req.finish and not self._record_routes:
+            self._leave([slot])
+        return computed
 
     def _decode_step(self) -> None:
         """One batched forward for all active rows; finished and cancelled rows leave afterwards."""
+        rows = self._active
         try:
-            ids = torch.tensor(
-                [[r.completion[-1]] for r in self._rows], dtype=torch.long, device=self._device
-            )
-            pos = self._mask.sum(dim=1, keepdim=True)  # real tokens so far = position of the fed token
-            mask = torch.cat([self._mask, torch.ones_like(pos)], dim=1)
-            cache = self._cache if self._cache is not None else DynamicCache(ddp_cache_data=self._kv)
-            with torch.inference_mode():
-                logits = self._forward(ids, mask, pos, cache)
-            self._kv = [(layer.keys, layer.values) for layer in cache.layers]
-            self._cache, self._mask = cache, mask
-            for i, req in enumerate(self._rows):
-                if not req.cancelled:
-                    tok, lp = sample_token(logits[i], req.params.temperature, req.params.top_p, req.generator)
-                    req.add(tok, lp, self.tokenizer)
+            logits = self.decoder.decode([r.completion[-1] for r in rows], [r.n_cached for r in rows])
+            for r in rows:
+                r.n_cached += 1
+            if self._params is None:
+                self._params = BatchParams(
+                    [r.params.temperature for r in rows],
+                    [r.params.top_p for r in rows],
+                    [r.top_k for r in rows],
+                    self._device,
+                )
+            live = [not (r.finish or r.cancelled) for r in rows]
+            uniforms = [
+                r.rng.random() if ok and r.params.temperature > 0 else 0.0
+                for r, ok in zip(rows, live, strict=True)
+            ]
+            toks, lps = sample_batch(logits, self._params, uniforms)
         except Exception as e:
             log.exception("decode step failed")
-            for req in self._rows:
+            for req in rows:
                 _resolve(req.future, req.loop, error=EngineError(f"decode failed: {e}"))
-            self._reset_batch()
+            self._active, self._params = [], None
             return
-        self._evict()
+        done = []
+        for i, r in enumerate(rows):
+            if live[i]:
+                r.add(toks[i], lps[i], self.tokenizer)
+                self._stats["generated_tokens"] += 1
+                # MoE: a finished row runs once more so its last token's routes (and KV) are recorded.
+                if r.finish and not self._record_routes:
+                    done.append(i)
+            else:
+                done.append(i)
+        self._stats["decode_steps"] += 1
+        if done:
+            self._leave(done)
 
-    def _evict(self) -> None:
-        keep = []
-        for i, req in enumerate(self._rows):
-            if req.finish:
-                self._finish(req)
-            elif not req.cancelled:
-                keep.append(i)
-        if len(keep) == len(self._rows):
+    def _leave(self, indices: list[int]) -> None:
+        """Resolve finished rows, keep their KV in the prefix cache, compact the remaining slots."""
+        gone = set(indices)
+        for i in sorted(gone):
+            r = self._active[i]
+            if r.cancelled:
+                continue
+            routes = self.decoder.get_routes(i, r.n_cached) if self._record_routes else None
+            result = GenerationResult(
+                r.completion, r.logprobs, r.finish or "length", r.version, routed_experts=routes
+            )
+            _resolve(r.future, r.loop, result)
+            self._store_prefix(r, i)
+        keep_n = len(self._active) - len(gone)
+        holes = [i for i in sorted(gone) if i < keep_n]
+        movers = [j for j in range(keep_n, len(self._active)) if j not in gone]
+        for hole, j in zip(holes, movers, strict=True):
+            self.decoder.move(j, hole, self._active[j].n_cached)
+            self._active[hole] = self._active[j]
+        del self._active[keep_n:]
+        self.decoder.release(keep_n)
+        self._params = None
+
+    def _store_prefix(self, r: _Request, slot: int) -> None:
+        if self.prefix.max_bytes <= 0 or r.n_cached == 0:
             return
-        if not keep:
-            self._reset_batch()
-            return
-        idx = torch.tensor(keep, device=self._device)
-        mask = self._mask.index_select(0, idx)
-        start = int((mask.sum(dim=0) > 0).nonzero()[0])  # drop columns that are padding in every row
-        self._mask = mask[:, start:]
-        self._kv = [
-            (k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:]) for k, v in self._kv
-        ]
-        self._rows = [self._rows[i] for i in keep]
-        self._cache = None
+        tokens = torch.tensor((r.prompt_ids + r.completion)[: r.n_cached], dtype=torch.long)
+        nbytes = self._kv_bytes(r.n_cached)
+        if self.prefix.would_store(tokens, nbytes):
+            k, v, routes = self.decoder.export(slot, r.n_cached)
+            self.prefix.add(PrefixEntry(tokens, k, v, routes, nbytes))
+
+    def _kv_bytes(self, n: int) -> int:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        elem = next(self.model.parameters()).element_size()
+        return 2 * n * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * int(head_dim) * elem
+
+
+def _verify(dec: FastDecoder, model: PreTrainedModel, vocab: int) -> str | None:
+    """Compare the fast forward's logits with the HF model's on a short sequence; None when they agree."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (min(16, dec.max_len),), generator=gen).tolist()
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids], device=dec.device)).logits[0].float()
+        got = dec.prefill(0, ids, 0, all_logits=True)
+    tol = 1e-3 if dec.dtype == torch.float32 else 5e-2
+    err = float((ref - got).abs().max()) / max(1.0, float(ref.abs().max()))
+    return None if err <= tol else f"fast forward disagrees with the HF model (relative error {err:.2e})"

@@ -59,19 +59,18 @@ class PrefixCache:
         self.nbytes = 0
 
     def match(self, prompt: torch.Tensor, limit: int) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that length."""
-        best, best_n = None, 0
-        for entry in self._entries.values():
+        """The entry sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that length.
+
+        The entry found becomes the most recently used."""
+        best_key, best_n = None, 0
+        for key, entry in self._entries.items():
             n = min(common_prefix(entry.tokens, prompt), limit)
             if n > best_n:
-                best, best_n = entry, n
-        return best, best_n
-
-    def touch(self, entry: PrefixEntry) -> None:
-        for key, e in self._entries.items():
-            if e is entry:
-                self._entries.move_to_end(key)
-                return
+                best_key, best_n = key, n
+        if best_key is None:
+            return None, 0
+        self._entries.move_to_end(best_key)
+        return self._entries[best_key], best_n
 
     def would_store(self, tokens: torch.Tensor, nbytes: int) -> bool:
         """False when storing is pointless: too big, or an existing entry already covers ``tokens``."""
@@ -81,8 +80,11 @@ class PrefixCache:
         return not any(len(e) >= n and common_prefix(e.tokens, tokens) == n for e in self._entries.values())
 
     def add(self, entry: PrefixEntry) -> None:
-        for key in [k for k, e in self._entries.items() if len(e) <= len(entry)
-                    and common_prefix(e.tokens, entry.tokens) == len(e)]:
+        for key in [
+            k
+            for k, e in self._entries.items()
+            if len(e) <= len(entry) and common_prefix(e.tokens, entry.tokens) == len(e)
+        ]:
             self.nbytes -= self._entries.pop(key).nbytes
         self._entries[self._next] = entry
         self._next += 1

@@ -38,12 +38,13 @@ def sampling_logprobs(
     top_k 0 for greedy rows: that is the raw log_softmax of the definition).
     """
     logits = logits.float()
-    if not isinstance(temperature, torch.Tensor):
-        if temperature <= 0:
-            return torch.log_softmax(logits, dim=-1)
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
+        return torch.log_softmax(logits, dim=-1)
     logp = torch.log_softmax(logits / temperature, dim=-1)
     vocab = logp.shape[-1]
-    need_k = bool(((top_k > 0) & (top_k < vocab)).any()) if isinstance(top_k, torch.Tensor) else 0 < top_k < vocab
+    need_k = (
+        bool(((top_k > 0) & (top_k < vocab)).any()) if isinstance(top_k, torch.Tensor) else 0 < top_k < vocab
+    )
     need_p = bool((top_p < 1.0).any()) if isinstance(top_p, torch.Tensor) else top_p < 1.0
     if not (need_k or need_p):
         return logp

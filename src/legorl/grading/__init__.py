@@ -1,8 +1,28 @@
-"""Grading: fresh-sandbox grader, diff path policy, JUnit parsing, workspace diffs."""
+"""Grading: fresh-sandbox grader, diff path policy, streamed verdicts, JUnit, workspace diffs, validation.
 
-from legorl.grading.diff import workspace_diff
-from legorl.grading.grader import grade
-from legorl.grading.junit import junit_key, parse_junit
-from legorl.grading.policy import filter_diff, is_test_path
+Attributes load lazily so that ``legorl.grading.cli`` stays cheap to import.
+"""
 
-__all__ = ["filter_diff", "grade", "is_test_path", "junit_key", "parse_junit", "workspace_diff"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "filter_diff": "legorl.grading.policy",
+    "filter_diff_detailed": "legorl.grading.policy",
+    "is_test_path": "legorl.grading.policy",
+    "grade": "legorl.grading.grader",
+    "junit_key": "legorl.grading.junit",
+    "parse_junit": "legorl.grading.junit",
+    "workspace_diff": "legorl.grading.diff",
+    "validate_task": "legorl.grading.validate",
+    "validate_tasks": "legorl.grading.validate",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(name)

@@ -22,12 +22,12 @@ EXCLUDES = "':(exclude,glob)**/__pycache__/**' ':(exclude,glob)**/*.pyc' ':(excl
 
 class ExecSandbox(Protocol):
     async def exec(
-        self, command: str, timeout: float = 30, cwd: str = "/workspace", env: dict[str, str] | None = None
+        self, command: str, timeout: float = 30, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ExecResult: ...
 
 
 async def workspace_diff(sandbox: ExecSandbox, base: str | None = None, timeout: float = 60) -> str:
-    """Diff of /workspace (untracked files included) against ``base`` (default: the root commit).
+    """Diff of the workspace (untracked files included) against ``base`` (default: the root commit).
 
     Pass the sha prepare_repo returned: the agent may have committed or moved HEAD.
     """
@@ -38,9 +38,8 @@ async def workspace_diff(sandbox: ExecSandbox, base: str | None = None, timeout:
         f"{GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv --full-index {ref} -- . {EXCLUDES}"
         f" 2>{err} || {{ cat {err}; exit 3; }}"
     )
-    result = await sandbox.exec(
-        cmd, timeout=timeout, env={"GIT_DIR": "/workspace/.git", "GIT_WORK_TREE": "/workspace"}
-    )
+    ws = getattr(sandbox, "inside_workspace", "/workspace")
+    result = await sandbox.exec(cmd, timeout=timeout, cwd=ws, env={"GIT_DIR": f"{ws}/.git", "GIT_WORK_TREE": ws})
     if result.returncode != 0 or result.timed_out:
         raise SandboxError(
             f"could not compute the workspace diff (exit {result.returncode}): {result.output[-500:]}"

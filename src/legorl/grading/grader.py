@@ -1,50 +1,156 @@
 """Tamper-resistant grading in a fresh sandbox.
 
-Pristine sources (a fresh prepare_repo copy) + only the source part of the agent's
-diff + the hidden tests written last; the verdict comes from a JUnit report written
-into a verifier-owned dir and parsed on the host. Resolved iff every FAIL_TO_PASS and
-PASS_TO_PASS test is reported as explicitly passed. Infrastructure failures become
-GRADER_ERROR, never an exception and never a silent 0.
+1. Pristine sources: a fresh ``prepare_repo`` copy (one orphan commit), never the agent's workspace.
+2. Only the source part of the agent's diff (``policy.py``), refused outright when it reaches into
+   the test runner (``tamper.py``), applied strictly (``git apply``, no fuzz) in the sandbox.
+3. Test files restored from the base commit, files the hidden test patch adds removed, hidden
+   tests written last; graded test files and their conftests then belong to root, read-only,
+   in sticky dirs, so code under test cannot rewrite them before pytest reads them.
+   Harbor-style tasks (``Task.tests_dir``) get their tests as a read-only mount instead.
+4. pytest runs with the verifier plugin from a read-only dir; every result streams to the
+   host as it happens (``stream.py``); the verdict needs the stream, pytest's exit code and
+   its own JUnit report to agree (``verdict.py``). The verifier-owned JUnit report is built on
+   the host from the stream.
+
+Infrastructure failures become GRADER_ERROR with the reason, never an exception and never a silent 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import os
 import secrets
 import shlex
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
-from legorl.grading.junit import JUnitError, junit_key, parse_junit
-from legorl.grading.policy import filter_diff, patch_paths
+from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
+from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
+from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer
+from legorl.grading.tamper import scan
+from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
 from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.limits import SandboxLimits
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
 
 GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*'"
-VERIFIER_INSIDE = "/run/verifier"
+VERIFIER_INSIDE = "/run/legorl-verifier"
 LOG_TAIL = 2000
 # No plugin autoload: installed plugins stay out of the verdict (and cost seconds per run);
 # a task that needs one names it in its test_command (`-p asyncio`).
-GRADER_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_ADDOPTS": "", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+GRADER_ENV = {
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTEST_ADDOPTS": "",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "PYTHONPATH": VERIFIER_INSIDE,
+    "LEGORL_VERIFIER_SOCKET": f"{VERIFIER_INSIDE}/{SOCKET_NAME}",
+}
 
 
-def _test_files(task: Task) -> list[str]:
-    """Files holding the graded tests, so unrelated broken test files cannot sink the run."""
-    files = []
+class _Stop(Exception):
+    """Ends grading early with the report as it stands."""
+
+
+def hidden_paths(task: Task) -> set[str]:
+    """Workspace paths holding hidden tests (empty for tasks whose tests live in ``tests_dir``)."""
+    if task.tests_dir:
+        return set()
+    return set(task.hidden_files) | patch_paths(task.test_patch)
+
+
+def test_files(task: Task) -> list[str]:
+    """Files holding the graded tests (as pytest arguments), so unrelated broken files cannot sink the run."""
+    files: list[str] = []
     for tid in task.test_ids:
         path = tid.split("::")[0]
-        if path.endswith(".py") and path not in files:
+        if task.tests_dir:
+            path = str(PurePosixPath(task.tests_dir) / path)
+        if path not in files:
             files.append(path)
     return files
 
 
+def _base_paths(repo: Path) -> set[str]:
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(repo):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        rel = os.path.relpath(dirpath, repo)
+        for name in (*dirnames, *filenames):
+            out.add(name if rel == "." else f"{rel}/{name}")
+    return out
+
+
+def _pristine_reader(repo: Path):
+    def read(rel: str) -> str | None:
+        p = (repo / rel).resolve()
+        if repo.resolve() not in p.parents or not p.is_file():
+            return None
+        try:
+            return p.read_text(errors="replace")
+        except OSError:
+            return None
+
+    return read
+
+
+def _inside(repo: Path, p: Path) -> bool:
+    try:
+        real = p.resolve()
+    except OSError:
+        return False
+    return real == repo.resolve() or repo.resolve() in real.parents
+
+
+def protect_test_files(repo: Path, rels: list[str]) -> None:
+    """Graded test files and the conftests above them -> root-owned, read-only, in root-owned sticky
+    dirs: the sandbox's uid can still create files there, but not change, remove or rename these."""
+    if os.geteuid() != 0:
+        return  # without a separate sandbox uid there is no owner to protect them from
+    repo = repo.resolve()
+    for rel in rels:
+        f = repo / rel
+        if not _inside(repo, f.parent):
+            continue
+        d = f.parent.resolve()
+        for target in (f, *(p / "conftest.py" for p in (d, *d.parents) if p == repo or repo in p.parents)):
+            if target.is_file() and not target.is_symlink() and _inside(repo, target):
+                os.lchown(target, 0, 0)
+                os.chmod(target, 0o444)
+        while True:
+            os.lchown(d, 0, 0)
+            os.chmod(d, 0o1777)
+            if d == repo:
+                break
+            d = d.parent
+
+
+def _materialize_tests_dir(task: Task, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    for rel, content in task.hidden_files.items():
+        p = PurePosixPath(rel)
+        if p.is_absolute() or ".." in p.parts:
+            raise ValueError(f"task {task.instance_id}: unsafe hidden test path {rel!r}")
+        target = dest / p
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+    for dirpath, _, filenames in os.walk(dest):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o444 if not name.endswith(".sh") else 0o555)
+
+
 async def _install_hidden_tests(box: BwrapSandbox, task: Task, base: str) -> str | None:
-    """Write the hidden tests over whatever is there; returns an error message on failure."""
+    """Write the in-workspace hidden tests over whatever is there; returns an error message on failure."""
+    ws = box.inside_workspace
     for rel, content in task.hidden_files.items():
         # Remove first: the agent could have pre-created the file (or a symlink) there.
         await box.exec(f"rm -rf -- {shlex.quote(rel)}", timeout=30)
-        await box.write_file(f"/workspace/{rel}", content)
+        await box.write_file(f"{ws}/{rel}", content)
     if task.test_patch:
         for rel in sorted(patch_paths(task.test_patch)):
             q = shlex.quote(rel)
@@ -60,6 +166,28 @@ async def _install_hidden_tests(box: BwrapSandbox, task: Task, base: str) -> str
     return None
 
 
+def _set_extra(report: GraderReport, **values: Any) -> None:
+    """Fill optional GraderReport fields where the record has them (records.py may add them later)."""
+    names = {f.name for f in dataclasses.fields(report)}
+    for k, v in values.items():
+        if k in names:
+            setattr(report, k, v)
+
+
+def _write_artifacts(
+    artifacts_dir: Path | None, report: GraderReport, filtered: FilteredDiff | None, junit_xml: str
+) -> None:
+    if artifacts_dir is None:
+        return
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    d = report.to_dict()
+    if filtered is not None:
+        d.update(applied_diff=filtered.kept, dropped_diff=filtered.dropped, drop_reasons=filtered.reasons)
+    (artifacts_dir / "report.json").write_text(json.dumps(d, indent=2))
+    if junit_xml:
+        (artifacts_dir / "junit.xml").write_text(junit_xml)
+
+
 async def grade(
     task: Task,
     diff: str,
@@ -69,81 +197,111 @@ async def grade(
     hide_paths: list[Path] | tuple[Path, ...] = (),
     keep: bool = False,
     memory_mb: int | None = None,
+    limits: SandboxLimits | None = None,
+    artifacts_dir: Path | None = None,
+    label: str | None = None,
 ) -> GraderReport:
     """Grade ``diff`` for ``task``. Never raises; ``work_dir`` must be a private host dir.
 
-    ``timeout`` bounds the test command; ``memory_mb`` caps the grader sandbox's address space;
-    ``keep`` leaves the work dir (repo, JUnit report, bwrap log) for debugging.
+    ``timeout`` bounds the test command; ``limits`` / ``memory_mb`` bound the grading sandbox
+    (its lifetime defaults to the timeout plus set-up room); ``artifacts_dir`` receives the
+    verifier-owned ``junit.xml`` and a full ``report.json`` (applied and dropped diff parts);
+    ``keep`` leaves the work dir for debugging; ``label`` tags the grading sandbox (reaping).
     """
     work = Path(work_dir) / f"grade-{secrets.token_hex(6)}"
     box: BwrapSandbox | None = None
     report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
+    filtered: FilteredDiff | None = None
+    junit_xml = ""
     try:
-        base = prepare_repo(task, work / "repo")
-        kept, report.applied_paths, report.dropped_paths = filter_diff(
-            diff, protected=set(task.hidden_files) | patch_paths(task.test_patch)
+        repo = work / "repo"
+        base = await asyncio.to_thread(prepare_repo, task, repo)
+        filtered = filter_diff_detailed(
+            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=_base_paths(repo)
         )
-        verifier = work / "verifier"
-        verifier.mkdir()
-        box = await BwrapSandbox.create(
-            workspace=work / "repo",
-            sandbox_dir=work / "sandbox",
-            label=f"grade-{task.instance_id}",
-            hide_paths=[*hide_paths],
-            extra_binds={VERIFIER_INSIDE: verifier},
-            memory_mb=memory_mb,
-        )
-        if task.setup.strip():  # on pristine sources: a failure here is the task's, not the agent's
-            r = await box.exec(task.setup, timeout=max(timeout, 120))
-            if r.returncode != 0:
-                report.reason, report.log_tail = (
-                    f"task setup failed (exit {r.returncode})",
-                    r.output[-LOG_TAIL:],
-                )
-                return report
-        if kept.strip():
-            await box.write_file("/tmp/agent.patch", kept)
-            # Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none.
-            r = await box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60)
-            if r.returncode != 0:
-                report.outcome, report.reason = Outcome.UNRESOLVED, "patch did not apply"
-                report.log_tail = r.output[-LOG_TAIL:]
-                return report
-        if err := await _install_hidden_tests(box, task, base):
-            report.reason = err
-            return report
-        junit_name = f"junit-{secrets.token_hex(8)}.xml"
-        args = ["-p", "no:cacheprovider", f"--junitxml={VERIFIER_INSIDE}/{junit_name}", *_test_files(task)]
-        cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
-        r = await box.exec(cmd, timeout=timeout, env=GRADER_ENV)
-        report.exit_code, report.log_tail = r.returncode, r.output[-LOG_TAIL:]
-        # Close first: nothing the tests left running can rewrite the report while we read it.
-        await box.close()
-        try:
-            results = parse_junit(verifier / junit_name)
-        except JUnitError as e:
-            report.tests = dict.fromkeys(task.test_ids, "missing")
+        report.applied_paths, report.dropped_paths = filtered.applied_paths, filtered.dropped_paths
+        _set_extra(report, applied_diff=filtered.kept, dropped_diff=filtered.dropped)
+        if findings := scan(filtered.kept, _pristine_reader(repo)):
             report.outcome = Outcome.UNRESOLVED
-            report.reason = ("tests timed out; " if r.timed_out else "") + str(e)
-            return report
-        report.collected = len(results)
-        report.tests = {tid: results.get(junit_key(tid), "missing") for tid in task.test_ids}
-        bad = [tid for tid, status in report.tests.items() if status != "passed"]
-        report.resolved = bool(task.test_ids) and report.collected > 0 and not bad
-        report.outcome = Outcome.RESOLVED if report.resolved else Outcome.UNRESOLVED
-        if r.timed_out:
-            report.reason = "tests timed out"
-        elif bad:
-            report.reason = f"{len(bad)} of {len(task.test_ids)} graded tests not passed: {bad[:5]}"
-        elif not task.test_ids:
-            report.reason = "task lists no FAIL_TO_PASS/PASS_TO_PASS tests"
+            report.reason = "diff reaches into the test runner or verdict: " + "; ".join(findings[:5])
+            report.tests = dict.fromkeys(task.test_ids, "missing")
+            raise _Stop
+        setup_room = 120.0 if task.setup.strip() else 30.0
+        limits = limits or SandboxLimits(lifetime_s=timeout + setup_room + 60)
+        if memory_mb is not None:
+            limits = limits.with_(memory_mb=memory_mb)
+        async with ResultServer() as results:
+            ro_binds = {VERIFIER_INSIDE: results.dir}
+            if task.tests_dir:
+                _materialize_tests_dir(task, work / "tests")
+                ro_binds[task.tests_dir] = work / "tests"
+            box = await BwrapSandbox.create(
+                workspace=repo,
+                sandbox_dir=work / "sandbox",
+                label=label or f"grade-{task.instance_id}",
+                hide_paths=[*hide_paths, work],
+                ro_binds=ro_binds,
+                limits=limits,
+                inside_workspace=task.workdir,
+            )
+            if task.setup.strip():  # on pristine sources: a failure here is the task's, not the agent's
+                r = await box.exec(task.setup, timeout=max(timeout, setup_room))
+                if r.returncode != 0:
+                    report.reason = f"task setup failed (exit {r.returncode})"
+                    report.log_tail = r.output[-LOG_TAIL:]
+                    raise _Stop
+            if filtered.kept.strip():
+                await box.write_file("/tmp/agent.patch", filtered.kept)
+                # Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none.
+                r = await box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60)
+                if r.returncode != 0:
+                    report.outcome, report.reason = Outcome.UNRESOLVED, "patch did not apply (git apply, no fuzz)"
+                    report.log_tail = r.output[-LOG_TAIL:]
+                    report.tests = dict.fromkeys(task.test_ids, "missing")
+                    raise _Stop
+            if not task.tests_dir:
+                if err := await _install_hidden_tests(box, task, base):
+                    report.reason = err
+                    raise _Stop
+                await asyncio.to_thread(protect_test_files, repo, test_files(task))
+            junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
+            rootdir = task.tests_dir or task.workdir
+            args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--rootdir={rootdir}",
+                    f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
+            cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
+            r = await box.exec(cmd, timeout=timeout, env=GRADER_ENV)
+            report.exit_code, report.log_tail = r.returncode, r.output[-LOG_TAIL:]
+            junit, junit_error = None, ""
+            try:
+                junit = parse_junit_text(await box.read_file(junit_inside))
+            except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
+                junit_error = str(e)[:300]
+            # Close first: nothing the tests left running can add to the stream while we judge it.
+            await box.close()
+            await results.wait_done(5.0)
+            await results.stop()
+            run = results.run
+        verdict = decide(
+            run, task.test_ids, exit_code=r.returncode, timed_out=r.timed_out, junit=junit, junit_error=junit_error
+        )
+        report.outcome, report.reason, report.tests = verdict.outcome, verdict.reason, verdict.tests
+        report.resolved = verdict.resolved
+        report.collected = len(run.collected or [])
+        junit_xml = to_junit_xml(run.statuses(), details=run.longrepr)
+        return report
+    except _Stop:
         return report
     except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
         report.resolved, report.outcome = False, Outcome.GRADER_ERROR
         report.reason = f"{type(e).__name__}: {e}"[:2000]
+        if box is not None and box.violation:
+            report.reason = f"grading sandbox killed: {box.violation}"
+            report.outcome = Outcome.UNRESOLVED  # the code under test blew a limit
         return report
     finally:
+        report.resolved = report.outcome == Outcome.RESOLVED
         if box is not None:
             await box.close()
+        _write_artifacts(artifacts_dir, report, filtered, junit_xml)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

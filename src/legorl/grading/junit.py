@@ -29,8 +29,14 @@ def parse_junit(path: Path) -> dict[tuple[str, str], str]:
         raise JUnitError("no JUnit report was written")
     if path.stat().st_size > MAX_JUNIT_BYTES:
         raise JUnitError("JUnit report is implausibly large")
+    return parse_junit_text(path.read_bytes())
+
+
+def parse_junit_text(data: bytes | str) -> dict[tuple[str, str], str]:
+    if len(data) > MAX_JUNIT_BYTES:
+        raise JUnitError("JUnit report is implausibly large")
     try:
-        root = ET.parse(path).getroot()
+        root = ET.fromstring(data)
     except ET.ParseError as e:
         raise JUnitError(f"JUnit report is not valid XML: {e}") from e
     results: dict[tuple[str, str], str] = {}
@@ -44,3 +50,30 @@ def parse_junit(path: Path) -> dict[tuple[str, str], str]:
         if key not in results or _RANK[status] > _RANK[results[key]]:
             results[key] = status
     return results
+
+def to_junit_xml(
+    statuses: dict[str, str], name: str = "legorl-verifier", details: dict[str, str] | None = None
+) -> str:
+    """A JUnit report built on the host from streamed results (the verifier-owned report)."""
+    root = ET.Element("testsuites")
+    suite = ET.SubElement(root, "testsuite", name=name, tests=str(len(statuses)))
+    counts = {"failures": 0, "errors": 0, "skipped": 0}
+    for node_id, status in statuses.items():
+        try:
+            classname, test = junit_key(node_id)
+        except ValueError:
+            classname, test = "", node_id
+        case = ET.SubElement(suite, "testcase", classname=classname, name=test, file=node_id.split("::")[0])
+        text = (details or {}).get(node_id, "")
+        if status in ("failed", "xpassed"):
+            ET.SubElement(case, "failure", message=status).text = text
+            counts["failures"] += 1
+        elif status in ("error", "missing"):
+            ET.SubElement(case, "error", message=status).text = text
+            counts["errors"] += 1
+        elif status in ("skipped", "xfailed"):
+            ET.SubElement(case, "skipped", message=status)
+            counts["skipped"] += 1
+    for k, v in counts.items():
+        suite.set(k, str(v))
+    return ET.tostring(root, encoding="unicode")

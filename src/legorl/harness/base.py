@@ -14,6 +14,9 @@ class HarnessRun:
     api_key: str  # the session token
     model_name: str
     control_socket: str  # the sandbox's command socket (host path)
+    # The session's base URL as seen INSIDE the sandbox (http://127.0.0.1:<relay_port>/s/<token>, no /v1):
+    # harnesses that run inside the sandbox (Claude Code, Codex) reach the proxy through the relay.
+    relay_base: str = ""
 
 
 @dataclass

@@ -200,12 +200,16 @@ def _hooks(
 
 
 @contextmanager
-def record_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
-    """Record the experts every router picks during the forwards run inside the block."""
+def record_routing(model: nn.Module, recorder: RoutingRecorder | None = None) -> Iterator[RoutingRecorder]:
+    """Record the experts every router picks during the forwards run inside the block.
+
+    Hooks run in registration order: to record the routes a replay actually used, pass ``record=``
+    to :func:`replay_routing` instead of nesting the two.
+    """
     routers = find_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no top-k MoE router; nothing to record")
-    rec = RoutingRecorder(n_layers=len(routers))
+    rec = recorder if recorder is not None else RoutingRecorder(n_layers=len(routers))
     with _hooks(model, None, rec, None):
         yield rec
 
@@ -235,9 +239,7 @@ def replay_routing(
         yield st
 
 
-def routes_tensor(
-    rows: list[list[list[list[int]]] | None], length: int, n_layers: int, top_k: int
-) -> Tensor:
+def routes_tensor(rows: list[list[list[list[int]]] | None], length: int, n_layers: int, top_k: int) -> Tensor:
     """Right-padded [B, length, layers, top_k] routes from per-sequence lists; None rows are all -1."""
     out = torch.full((len(rows), length, n_layers, top_k), PAD_ROUTE, dtype=torch.long)
     for i, r in enumerate(rows):

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from legorl.monitor.commands import KINDS, Action, Classified, classify_tool_call, same_file
-from legorl.monitor.messages import Message, declares_tools, messages_of, new_messages
+from legorl.monitor.messages import Message, conversation_items, declares_tools, new_messages
 from legorl.records import LLMCall, Rollout, ToolCall
 
 # What harnesses say back when a turn was malformed (mini-swe-agent, SWE-agent, OpenHands, Codex, ...).
@@ -68,14 +68,14 @@ def turns_from_calls(calls: list[LLMCall]) -> list[Turn]:
     summary requests) are side requests, not agent turns, and are left out.
     """
     calls = sorted(calls, key=lambda c: c.index)
-    convs = [messages_of(c.request, c.wire_format) for c in calls]
+    convs = [conversation_items(c.request, c.wire_format) for c in calls]
     any_tools = any(declares_tools(c.request) for c in calls)
     keep = [i for i, c in enumerate(calls) if not any_tools or declares_tools(c.request) or c.tool_calls]
     turns = []
     for pos, i in enumerate(keep):
         c = calls[i]
         nxt = keep[pos + 1] if pos + 1 < len(keep) else None
-        feedback = new_messages(convs[i], convs[nxt]) if nxt is not None else []
+        feedback = new_messages(convs[i], convs[nxt], calls[nxt].wire_format) if nxt is not None else []
         turns.append(Turn(tool_calls=list(c.tool_calls), text=c.completion_text, finish_reason=c.finish_reason,
                           feedback=feedback))
     return turns

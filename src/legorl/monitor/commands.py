@@ -11,6 +11,7 @@ one; structured tools (Claude Code's Read/Edit/Write/Grep/Glob, Codex's
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -219,6 +220,7 @@ def _simple(c: _Simple) -> Action | None:
     return Action("other", c.redirects)
 
 
+@functools.lru_cache(maxsize=65536)
 def classify_command(command: str, tool: str = "bash") -> Classified:
     """Classify a shell command line: each simple command in order."""
     if any(m in command for m in SUBMIT_MARKERS):
@@ -259,11 +261,27 @@ _EDITOR_TOOLS = {"str_replace_editor", "str_replace_based_edit_tool", "edit_file
 
 
 def classify_tool_call(name: str, arguments: str | dict[str, Any]) -> Classified:
-    """Classify one tool call of any harness from its name and JSON arguments."""
+    """Classify one tool call of any harness from its name and JSON arguments (the result is shared: don't mutate)."""
+    if isinstance(arguments, str):
+        return _classify_cached(name, arguments)
+    return _classify(name, arguments)
+
+
+@functools.lru_cache(maxsize=65536)
+def _classify_cached(name: str, arguments: str) -> Classified:
+    return _classify(name, arguments)
+
+
+def _classify(name: str, arguments: str | dict[str, Any]) -> Classified:
     args = _args(arguments)
     low = name.lower()
     if args is None:
         return Classified(tool=name, actions=[Action("other")], valid=False)
+    if low in _EDITOR_TOOLS:  # {"command": "view" | "create" | "str_replace" | "insert" | "undo_edit", "path": ...}
+        path = next((str(args[k]) for k in _FILE_KEYS if isinstance(args.get(k), str)), None)
+        sub = str(args.get("command", "view"))
+        return Classified(name, [Action("read" if sub == "view" else "edit", [path] if path else [])],
+                          valid=path is not None)
     if low in _SHELL_TOOLS or (low not in _TOOL_KIND and any(k in args for k in _SHELL_KEYS)):
         cmd = next((args[k] for k in _SHELL_KEYS if k in args), None)
         if isinstance(cmd, list):  # Codex: ["bash", "-lc", "..."] or ["apply_patch", "*** Begin Patch ..."]
@@ -282,9 +300,6 @@ def classify_tool_call(name: str, arguments: str | dict[str, Any]) -> Classified
         return Classified(name, [Action("edit", _patch_paths(patch))], valid=bool(patch))
     path = next((str(args[k]) for k in _FILE_KEYS if isinstance(args.get(k), str)), None)
     paths = [path] if path else []
-    if low in _EDITOR_TOOLS:  # {"command": "view" | "create" | "str_replace" | "insert" | "undo_edit", "path": ...}
-        sub = str(args.get("command", "view"))
-        return Classified(name, [Action("read" if sub == "view" else "edit", paths)], valid=bool(paths))
     kind = _TOOL_KIND.get(low)
     if kind is None:
         return Classified(name, [Action("other", paths)])

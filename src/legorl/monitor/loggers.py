@@ -12,8 +12,10 @@ Files go under the run directory: tensorboard/, wandb/, mlruns/.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,8 +58,6 @@ class TensorBoardLogger:
         self.dir = run_dir / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.dir))
         if config:
-            import json
-
             self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=2, default=str) + "\n```", 0)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -89,14 +89,21 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    """MLflow with a local file store: RUN_DIR/mlruns (browse with `mlflow ui --backend-store-uri ...`)."""
+    """MLflow, by default with a local file store in RUN_DIR/mlruns (`mlflow ui --backend-store-uri file:...`).
+
+    MLFLOW_TRACKING_URI, when set, wins (e.g. sqlite:///mlflow.db or a tracking server). MLflow 3 keeps the
+    file store in maintenance mode behind MLFLOW_ALLOW_FILE_STORE, which is set here for that default.
+    """
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any]):
         _require("mlflow", "mlflow", "mlflow")
         from mlflow.tracking import MlflowClient
 
         self.dir = run_dir / "mlruns"
-        self.client = MlflowClient(tracking_uri=self.dir.resolve().as_uri())
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or self.dir.resolve().as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name("legorl")
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment("legorl")
         self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
@@ -105,7 +112,6 @@ class MlflowLogger:
             self.client.log_param(self.run_id, k[:250], str(v)[:500])
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        import time
 
         from mlflow.entities import Metric
 

@@ -54,26 +54,35 @@ def _args_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _chat(request: dict[str, Any]) -> list[Message]:
+_SYSTEM = "__system__"  # marks a top-level system prompt (Anthropic `system`, Responses `instructions`)
+
+
+def _fn(tool_call: dict[str, Any]) -> dict[str, Any]:
+    f = tool_call.get("function")
+    return f if isinstance(f, dict) else {}
+
+
+def _chat(items: list[Any]) -> list[Message]:
     out = []
-    for m in request.get("messages") or []:
+    for m in items:
         if not isinstance(m, dict):
             continue
         role = str(m.get("role", "user"))
-        calls = [ToolCall(id=str(tc.get("id", "")), name=str(tc.get("function", {}).get("name", "")),
-                          arguments=_args_text(tc.get("function", {}).get("arguments", "")))
+        calls = [ToolCall(id=str(tc.get("id", "")), name=str(_fn(tc).get("name", "")),
+                          arguments=_args_text(_fn(tc).get("arguments", "")))
                  for tc in m.get("tool_calls") or [] if isinstance(tc, dict)]
         out.append(Message(role="system" if role == "developer" else role, text=_text(m.get("content")),
                            tool_call_id=m.get("tool_call_id"), tool_calls=calls))
     return out
 
 
-def _anthropic(request: dict[str, Any]) -> list[Message]:
+def _anthropic(items: list[Any]) -> list[Message]:
     out = []
-    if request.get("system"):
-        out.append(Message("system", _text(request["system"])))
-    for m in request.get("messages") or []:
+    for m in items:
         if not isinstance(m, dict):
+            continue
+        if _SYSTEM in m:
+            out.append(Message("system", _text(m[_SYSTEM])))
             continue
         role = str(m.get("role", "user"))
         content = m.get("content")
@@ -98,15 +107,13 @@ def _anthropic(request: dict[str, Any]) -> list[Message]:
     return out
 
 
-def _responses(request: dict[str, Any]) -> list[Message]:
-    out = []
-    if request.get("instructions"):
-        out.append(Message("system", _text(request["instructions"])))
-    items = request.get("input")
-    if isinstance(items, str):
-        return out + [Message("user", items)]
-    for it in items or []:
+def _responses(items: list[Any]) -> list[Message]:
+    out: list[Message] = []
+    for it in items:
         if not isinstance(it, dict):
+            continue
+        if _SYSTEM in it:
+            out.append(Message("system", _text(it[_SYSTEM])))
             continue
         kind = it.get("type", "message")
         if kind == "message":
@@ -128,28 +135,55 @@ def _responses(request: dict[str, Any]) -> list[Message]:
     return out
 
 
-_PARSERS = {"openai_chat": _chat, "anthropic_messages": _anthropic, "openai_responses": _responses}
+_NORMALISE = {"openai_chat": _chat, "anthropic_messages": _anthropic, "openai_responses": _responses}
 
 
-def messages_of(request: dict[str, Any], wire_format: str) -> list[Message]:
-    """The conversation in a request body, normalised; unknown formats are guessed from their keys."""
-    parse = _PARSERS.get(wire_format)
-    if parse is None:
-        parse = _responses if "input" in request else _chat
+def _format(request: dict[str, Any], wire_format: str) -> str:
+    if wire_format in _NORMALISE:
+        return wire_format
+    return "openai_responses" if "input" in request else "openai_chat"
+
+
+def conversation_items(request: dict[str, Any], wire_format: str) -> list[Any]:
+    """The raw conversation items of a request, in order (system prompt first where it is separate)."""
+    fmt = _format(request, wire_format)
+    if fmt == "openai_chat":
+        items = request.get("messages")
+        return list(items) if isinstance(items, list) else []
+    head: list[Any] = []
+    sys_key = "system" if fmt == "anthropic_messages" else "instructions"
+    if request.get(sys_key):
+        head.append({_SYSTEM: request[sys_key]})
+    body = request.get("messages" if fmt == "anthropic_messages" else "input")
+    if isinstance(body, str):
+        body = [{"type": "message", "role": "user", "content": body}]
+    return head + (list(body) if isinstance(body, list) else [])
+
+
+def normalise(items: list[Any], wire_format: str) -> list[Message]:
     try:
-        return parse(request)
+        return _NORMALISE.get(wire_format, _chat)(items)
     except (AttributeError, TypeError, ValueError):
         return []  # a malformed body shows as no messages, never breaks a page
 
 
-def new_messages(prev: list[Message] | None, cur: list[Message]) -> list[Message]:
-    """Messages of `cur` after the longest common prefix with `prev`, less the assistant's own turns."""
-    if prev is None:
-        return list(cur)
+def messages_of(request: dict[str, Any], wire_format: str) -> list[Message]:
+    """The conversation in a request body, normalised; unknown formats are guessed from their keys."""
+    return normalise(conversation_items(request, wire_format), _format(request, wire_format))
+
+
+def new_messages(prev: list[Any] | None, cur: list[Any], wire_format: str) -> list[Message]:
+    """Items of `cur` after its longest common prefix with `prev`, normalised, less the assistant's own turns.
+
+    Items are compared raw first (cheap), then normalised (so moved cache markers do not count as new).
+    """
     k = 0
-    while k < min(len(prev), len(cur)) and prev[k].key() == cur[k].key():
-        k += 1
-    return [m for m in cur[k:] if m.role != "assistant"]
+    if prev is not None:
+        n = min(len(prev), len(cur))
+        while k < n and (prev[k] == cur[k] or [m.key() for m in normalise([prev[k]], wire_format)]
+                         == [m.key() for m in normalise([cur[k]], wire_format)]):
+            k += 1
+    return [m for m in normalise(cur[k:], wire_format) if m.role != "assistant"]
 
 
 def declares_tools(request: dict[str, Any]) -> bool:

@@ -157,6 +157,43 @@ class CachedEncoder:
         return ids
 
 
+def schema_defaults(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """Per tool, the argument defaults its JSON schema declares (harnesses fill them into echoed calls)."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in tools or []:
+        fn = _fn(t)
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
+        if isinstance(props, dict):
+            d = {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
+            if d:
+                out[str(fn.get("name"))] = d
+    return out
+
+
+def same_reply(echoed: tuple, sampled: tuple, defaults: dict[str, dict[str, Any]]) -> bool:
+    """The harness echoed the proxy's reply, only filling in schema defaults of tool arguments.
+
+    (Claude Code adds ``"replace_all": false`` to every Edit call it sends back.) The sampled
+    tokens remain what the model produced, so the bridge continues from them.
+    """
+    if echoed[0] != "assistant" or echoed[1:2] != sampled[1:2] or echoed[3] != sampled[3]:
+        return False
+    if len(echoed[2]) != len(sampled[2]):
+        return False
+    for (name, args), (s_name, s_args) in zip(echoed[2], sampled[2]):
+        if name != s_name:
+            return False
+        if args == s_args:
+            continue
+        a, sa = json.loads(args), json.loads(s_args)
+        if not isinstance(a, dict) or not isinstance(sa, dict) or any(k not in a or a[k] != v for k, v in sa.items()):
+            return False
+        d = defaults.get(name, {})
+        if any(k not in d or d[k] != v for k, v in a.items() if k not in sa):
+            return False
+    return True
+
+
 @dataclass
 class PastCall:
     """What a session remembers of one call, to bridge the next one."""
@@ -178,7 +215,7 @@ class BridgeResult:
     naive_ids: list[int] = field(default_factory=list)
 
 
-NEW_CONVERSATION = "new conversation: the messages do not extend any earlier call of this session"
+NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not extend any earlier call of this session"
 
 
 class TokenBridge:
@@ -211,13 +248,14 @@ class TokenBridge:
             return BridgeResult(naive_ids, None, None, False, naive_ids)
         norm = [normalize_message(m) for m in messages]
         tkey = self.tools_key(tools)
+        defaults = schema_defaults(tools)
         reason = NEW_CONVERSATION
         best_prefix = -1
         for past in reversed(history):
             k = len(past.messages)
             if len(norm) <= k or norm[:k] != past.messages:
                 continue
-            if norm[k] != past.reply:
+            if norm[k] != past.reply and not same_reply(norm[k], past.reply, defaults):
                 if k > best_prefix:
                     best_prefix = k
                     reason = (f"history rewritten: message {k} is not the reply of call {past.index} "

@@ -1,12 +1,15 @@
 """One rollout, end to end: sandbox, harness through the proxy, diff, grade, outcome.
 
 Every step that can fail is caught here and turned into a typed outcome, so one
-broken rollout never takes its step down.
+broken rollout never takes its step down. A cancelled rollout (a straggler once
+its step has enough groups) cleans up after itself and is recorded as such.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import shutil
 import time
 import uuid
@@ -14,14 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.config import FaultsConfig
 from legorl.grading import grade, workspace_diff
-from legorl.harness.base import Harness, HarnessCrashed, HarnessRun
+from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
-from legorl.records import Outcome, Rollout
-from legorl.rollout.outcomes import EpisodeFacts, decide, reward_for
+from legorl.records import GraderReport, Outcome, Rollout
+from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
+from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
 from legorl.sandbox import BwrapSandbox
 from legorl.store import Store
 from legorl.tasks import Task, prepare_repo
+
+CANCELLED_REASON = "cancelled: a straggler, its step already had enough complete groups"
 
 
 @dataclass
@@ -39,10 +46,39 @@ class EpisodeContext:
     keep_workspaces: bool = False
     # Teacher episodes: the scripted engine plays this script for each rollout of a task.
     script_for: Callable[[Task], list[str]] | None = None
+    policies: dict[Outcome, Policy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def new_rollout_id(step: int, task_id: str, sample: int) -> str:
     return f"s{step}-{task_id}-{sample}-{uuid.uuid4().hex[:6]}"
+
+
+async def _run_harness(ctx: EpisodeContext, run: HarnessRun, plan: FaultPlan) -> HarnessResult:
+    if "harness_hang" in plan:
+        await asyncio.sleep(ctx.agent_timeout + 60)  # the deadline fires first
+    if "harness_crash" in plan:
+        raise HarnessCrashed("injected fault: the harness process died")
+    if "no_model_calls" in plan:
+        return HarnessResult(exit_status="Submitted", n_calls=0)
+    return await ctx.harness.run(run)
+
+
+async def _diff(sandbox: BwrapSandbox, plan: FaultPlan) -> str:
+    if "disk_full" in plan:
+        # Fill the sandbox's private /tmp (a tmpfs: it cannot touch the host disk) until writes fail.
+        await sandbox.exec("head -c 64M /dev/zero > /tmp/fill; df /tmp", timeout=30)
+        raise InjectedFault("injected fault: no space left on device inside the sandbox")
+    return await workspace_diff(sandbox)
+
+
+async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, plan: FaultPlan) -> GraderReport:
+    try:
+        if "grader_crash" in plan:
+            raise InjectedFault("injected fault: the grader crashed")
+        return await grade(task, diff, work_dir=work_dir, timeout=ctx.grading_timeout, hide_paths=ctx.hide_paths)
+    except Exception as e:  # a grader bug must not take the step down
+        return GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR, reason=f"{type(e).__name__}: {e}")
 
 
 async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: str, sample_index: int,
@@ -54,63 +90,81 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
     ctx.store.upsert_rollout(rollout)
     if ctx.script_for is not None:
         ctx.proxy.engine.set_script(rid, ctx.script_for(task))
+    plan = plan_for(ctx.faults, rid)
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)
     t0 = time.time()
     sandbox: BwrapSandbox | None = None
+    session = None
+    killer: asyncio.Task | None = None
     try:
-        await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
-        sandbox = await BwrapSandbox.create(
-            workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
-            proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths)
-    except Exception as e:
-        facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
-    rollout.timings["setup_s"] = time.time() - t0
-
-    if sandbox is not None:
-        t1 = time.time()
-        session = ctx.proxy.open_session(rid)
-        run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
-                         api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
-                         model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket))
         try:
-            facts.harness = await asyncio.wait_for(ctx.harness.run(run), timeout=ctx.agent_timeout)
-        except TimeoutError:
-            facts.timed_out = True
-        except HarnessCrashed as e:
-            facts.crashed = str(e)
+            if "slow_sandbox_start" in plan:
+                await asyncio.sleep(ctx.faults.slow_start_seconds)
+            await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
+            sandbox = await BwrapSandbox.create(
+                workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
+                proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths)
         except Exception as e:
-            facts.crashed = f"{type(e).__name__}: {e}"
-        finally:
-            # Closing the session first makes any late call of a timed-out agent fail fast.
+            facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
+        rollout.timings["setup_s"] = time.time() - t0
+
+        if sandbox is not None:
+            t1 = time.time()
+            session = ctx.proxy.open_session(rid)
+            run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
+                             api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
+                             model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket))
+            if "sandbox_killed" in plan:
+                killer = asyncio.create_task(kill_later(sandbox, random.Random(rid)))
+            try:
+                facts.harness = await asyncio.wait_for(_run_harness(ctx, run, plan), timeout=ctx.agent_timeout)
+            except TimeoutError:
+                facts.timed_out = True
+            except HarnessCrashed as e:
+                facts.crashed = str(e)
+            except Exception as e:
+                facts.crashed = f"{type(e).__name__}: {e}"
+            finally:
+                # Closing the session first makes any late call of a timed-out agent fail fast.
+                ctx.proxy.close_session(session.token)
+            facts.proxy_errors = tuple(session.errors)
+            facts.proxy_calls = session.n_calls
+            rollout.timings["agent_s"] = time.time() - t1
+            try:
+                rollout.diff = await _diff(sandbox, plan)
+            except Exception as e:
+                facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
+            await sandbox.close()
+
+        calls = ctx.store.calls_for(rid)
+        report = None
+        if not facts.sandbox_error and facts.harness is not None and facts.proxy_calls > 0:
+            t2 = time.time()
+            report = await _grade(ctx, task, rollout.diff, box_dir / "grade", plan)
+            rollout.timings["grading_s"] = time.time() - t2
+        rollout.report = report
+        rollout.outcome, rollout.outcome_reason = decide(facts, calls, report)
+        rollout.calls = calls
+    except asyncio.CancelledError:
+        rollout.outcome, rollout.outcome_reason = Outcome.AGENT_TIMEOUT, CANCELLED_REASON
+        rollout.calls = ctx.store.calls_for(rid)
+        raise
+    finally:
+        if killer is not None:
+            killer.cancel()
+        if session is not None:
             ctx.proxy.close_session(session.token)
-        facts.proxy_errors = tuple(session.errors)
-        facts.proxy_calls = session.n_calls
-        rollout.timings["agent_s"] = time.time() - t1
-        try:
-            rollout.diff = await workspace_diff(sandbox)
-        except Exception as e:
-            facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
-        await sandbox.close()
-
-    calls = ctx.store.calls_for(rid)
-    report = None
-    if not facts.sandbox_error and facts.harness is not None and facts.proxy_calls > 0:
-        t2 = time.time()
-        report = await grade(task, rollout.diff, work_dir=box_dir / "grade", timeout=ctx.grading_timeout,
-                             hide_paths=ctx.hide_paths)
-        rollout.timings["grading_s"] = time.time() - t2
-    rollout.report = report
-    outcome, reason = decide(facts, calls, report)
-    rollout.outcome, rollout.outcome_reason = outcome, reason
-    rollout.reward = reward_for(outcome)
-    rollout.calls = calls
-    rollout.weight_version_end = ctx.proxy.engine.weight_version
-    rollout.timings["total_s"] = time.time() - t0
-    ctx.store.upsert_rollout(rollout)
-    if not ctx.keep_workspaces:
-        shutil.rmtree(box_dir, ignore_errors=True)
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sandbox.close())
+        if plan.faults:
+            rollout.timings["injected_faults"] = float(len(plan.faults))
+            rollout.outcome_reason += f" [injected: {', '.join(sorted(plan.faults))}]"
+        rollout.reward = reward_for(rollout.outcome, ctx.policies) if rollout.outcome else None
+        rollout.weight_version_end = ctx.proxy.engine.weight_version
+        rollout.timings["total_s"] = time.time() - t0
+        ctx.store.upsert_rollout(rollout)
+        if not ctx.keep_workspaces:
+            shutil.rmtree(box_dir, ignore_errors=True)
     return rollout
-
-
-__all__ = ["EpisodeContext", "Outcome", "run_episode"]

@@ -23,11 +23,20 @@ DEFAULT_POLICIES: dict[Outcome, Policy] = {
     Outcome.AGENT_CRASH: "mask",
     Outcome.NO_MODEL_CALLS: "mask",
     Outcome.CONTEXT_OVERFLOW: "mask",
-    Outcome.SANDBOX_ERROR: "mask",
-    Outcome.ENGINE_ERROR: "mask",
-    Outcome.GRADER_ERROR: "mask",
     Outcome.INVALID_CAPTURE: "mask",
+    # Infrastructure failures say nothing about the policy: run the rollout again (bounded), then mask.
+    Outcome.SANDBOX_ERROR: "retry",
+    Outcome.ENGINE_ERROR: "retry",
+    Outcome.GRADER_ERROR: "retry",
 }
+
+
+def resolve_policies(overrides: dict[str, str] | None = None) -> dict[Outcome, Policy]:
+    """The default policies with the config's `rollout.policies` applied."""
+    policies = dict(DEFAULT_POLICIES)
+    for name, policy in (overrides or {}).items():
+        policies[Outcome(name)] = policy  # type: ignore[assignment]
+    return policies
 
 
 @dataclass
@@ -95,7 +104,7 @@ def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | Non
 
 
 def reward_for(outcome: Outcome, policies: dict[Outcome, Policy] | None = None) -> float | None:
-    """1/0 for trained outcomes, None (masked) for the rest."""
+    """1/0 for trained outcomes, None (masked) for the rest; a retry that ran out is masked too."""
     policy = (policies or DEFAULT_POLICIES)[outcome]
     if policy != "train":
         return None

@@ -1,9 +1,24 @@
-"""Sandboxes: a bubblewrap sandbox per rollout, reached through a control socket."""
+"""Sandboxes: one per rollout (bubblewrap by default, docker as the other backend), reached through a
+control socket; resource limits, nested deadlines, a host-side watchdog and orphan reaping."""
 
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.client import ExecResult, SandboxClient, SandboxError
+from legorl.sandbox.deadlines import DeadlineExceeded, Deadlines, RolloutClock
+from legorl.sandbox.limits import SandboxLimits
 
-__all__ = ["BwrapSandbox", "ExecResult", "Sandbox", "SandboxClient", "SandboxError", "reap_orphans"]
+__all__ = [
+    "BwrapSandbox",
+    "DeadlineExceeded",
+    "Deadlines",
+    "DockerSandbox",
+    "ExecResult",
+    "RolloutClock",
+    "Sandbox",
+    "SandboxClient",
+    "SandboxError",
+    "SandboxLimits",
+    "reap_orphans",
+]
 
 
 def __getattr__(name: str):  # lazy: the client stays importable without asyncio machinery
@@ -11,4 +26,8 @@ def __getattr__(name: str):  # lazy: the client stays importable without asyncio
         from legorl.sandbox import bwrap
 
         return getattr(bwrap, name)
+    if name == "DockerSandbox":
+        from legorl.sandbox.docker import DockerSandbox
+
+        return DockerSandbox
     raise AttributeError(name)

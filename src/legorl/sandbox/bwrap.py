@@ -2,15 +2,27 @@
 
 Layout inside the sandbox:
 
-* ``/`` is a read-only view of the host root (each top-level host entry ro-bound onto a
-  tmpfs that is remounted read-only, so new mount points such as /workspace can exist);
-* ``/workspace`` is the task repo (host ``workspace``, read-write);
+* ``/`` is a fresh tmpfs, remounted read-only, holding read-only binds of the standard
+  system dirs and the runtimes only (see ``rootfs.py``): not the host's /home, /root,
+  /work, /var, /tmp, /run or /sys;
+* ``/workspace`` (or the task's ``inside_workspace``) is the task repo (host ``workspace``, read-write);
 * ``/run/legorl`` is host ``<sandbox_dir>/ctl`` (read-write): the agent's control socket
   ``control.sock`` lives there, and the proxy's Unix socket is bind-mounted at
   ``/run/legorl/proxy.sock`` when given;
-* ``/tmp`` is a private tmpfs; every ``hide_paths`` entry is covered by an empty tmpfs;
-* no network (own net namespace with only loopback), own pid/ipc/uts/user namespaces,
-  no capabilities.
+* ``/tmp`` and ``/dev/shm`` are private size-limited tmpfs mounts; every ``hide_paths``
+  entry inside a visible dir is covered by an empty read-only dir (or /dev/null);
+* no network (own net namespace with only loopback), own pid/ipc/uts/user/cgroup
+  namespaces, no capabilities, ``--die-with-parent``, and resource limits (``limits.py``).
+
+When the driver runs as root, everything inside runs as an unprivileged uid of its own
+(random per sandbox in [SANDBOX_UID_BASE, +SANDBOX_UID_SPAN), or ``LEGORL_SANDBOX_UID``):
+RLIMIT_NPROC does not apply to uid 0, a uid per sandbox makes that limit per sandbox, and
+host file permissions become a second line of defence. bwrap then runs privileged without a
+user namespace (a root-mapped one could not switch uid) keeping only CAP_SETUID/CAP_SETGID,
+and the in-sandbox agent drops to the uid after binding its sockets, which clears every
+capability; bwrap's no_new_privs and nosuid mounts keep it that way. The workspace is
+chowned to the uid. A non-root driver runs bwrap unprivileged in a user namespace, where
+RLIMIT_NPROC is counted per namespace (Linux >= 5.14).
 """
 
 from __future__ import annotations
@@ -18,41 +30,55 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
+import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Self
 
-from legorl.sandbox.client import (
-    REPLY_SLACK_S,
-    ExecResult,
-    SandboxClient,
-    SandboxError,
-    connect_unix,
-    exec_request,
-    parse_exec_reply,
-)
+from legorl.sandbox.client import SandboxError
+from legorl.sandbox.control import ControlledSandbox
+from legorl.sandbox.limits import MiB, SandboxLimits
+from legorl.sandbox.procs import alive, cmdline, kill_tree, process_tree
+from legorl.sandbox.rootfs import hidden_inside, passwd_lines, visible_paths
+from legorl.sandbox.watchdog import WATCHDOG, Watch
+
+__all__ = ["BwrapSandbox", "bwrap_argv", "kill_tree", "process_tree", "reap_orphans", "sandbox_ids"]
 
 AGENT_SCRIPT = Path(__file__).with_name("sandbox_agent.py")
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_CTL = "/run/legorl"
 INSIDE_AGENT = "/run/legorl-agent/sandbox_agent.py"
 PROXY_SOCKET_INSIDE = f"{INSIDE_CTL}/proxy.sock"
-# Host top-level entries never shown inside: replaced by fresh mounts or meaningless there.
-_SKIP_TOP = {"proc", "dev", "tmp", "run", "workspace", "lost+found", "old_root"}
-_READ_LIMIT = 64 * 1024 * 1024  # one JSON reply line may carry a large command output
-# Host credentials never belong in a sandbox (HOME inside is /tmp, so nothing needs them).
-DEFAULT_HIDDEN = tuple(
-    Path.home() / p
-    for p in (".ssh", ".aws", ".azure", ".gnupg", ".docker", ".kube", ".netrc", ".git-credentials", ".config",
-              ".cache/huggingface", ".huggingface")
-)  # fmt: skip
+SANDBOX_UID_BASE = 200_000
+SANDBOX_UID_SPAN = 1 << 20
+NAMESPACES = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
 
 
 def host_python() -> str:
     """The real interpreter behind the venv's python: runs the agent with only the stdlib."""
     return os.path.realpath(sys.executable)
+
+
+def sandbox_ids(uid: int | None = None) -> tuple[int, int] | None:
+    """(uid, gid) the sandbox's processes run as, or None to keep the current user (always None
+    unless root). ``uid=None``: ``LEGORL_SANDBOX_UID`` if set, else a random uid for this sandbox."""
+    if os.geteuid() != 0:
+        return None
+    if uid is None:
+        fixed = os.environ.get("LEGORL_SANDBOX_UID")
+        uid = int(fixed) if fixed else SANDBOX_UID_BASE + secrets.randbelow(SANDBOX_UID_SPAN)
+    return (uid, uid) if uid != 0 else None
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            try:
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+            except FileNotFoundError:
+                pass
 
 
 def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -83,89 +109,80 @@ def bwrap_argv(
     label: str,
     proxy_socket: Path | None,
     relay_port: int,
-    hide_paths: list[Path] | tuple[Path, ...] = (),
+    hide_paths: Sequence[Path] = (),
     env: dict[str, str] | None = None,
     extra_binds: dict[str, Path] | None = None,
+    ro_binds: dict[str, Path] | None = None,
+    limits: SandboxLimits = SandboxLimits(),
+    inside_workspace: str = INSIDE_WORKSPACE,
+    visible: Sequence[Path | str] = (),
+    empty_dir: Path | None = None,
+    passwd_dir: Path | None = None,
+    drop_to: tuple[int, int] | None = None,
 ) -> list[str]:
     argv = ["bwrap", "--tmpfs", "/"]
-    for entry in sorted(os.listdir("/")):
-        if entry in _SKIP_TOP:
-            continue
-        host = Path("/") / entry
+    shown = visible_paths(visible)
+    made: set[str] = set()
+
+    def parents(dest: str) -> list[str]:
+        # Mount points' parent dirs made explicitly world-traversable (bwrap would copy e.g. /root's 0700).
+        out = []
+        for parent in reversed(Path(dest).parents[:-1]):
+            if str(parent) not in made:
+                made.add(str(parent))
+                out += ["--perms", "0755", "--dir", str(parent)]
+        return out
+
+    for host in shown:
+        argv += parents(str(host))
         if host.is_symlink():
-            argv += ["--symlink", os.readlink(host), f"/{entry}"]
+            argv += ["--symlink", os.readlink(host), str(host)]
         else:
-            argv += ["--ro-bind", str(host), f"/{entry}"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-    for hidden in (*DEFAULT_HIDDEN, *hide_paths):
-        hidden = Path(hidden).resolve()
-        if hidden.is_dir():
-            argv += ["--tmpfs", str(hidden)]
-        elif hidden.exists():
+            argv += ["--ro-bind", str(host), str(host)]
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    tmp = ["--perms", "1777", *(["--size", str(limits.tmp_mb * MiB)] if limits.tmp_mb else []), "--tmpfs"]
+    argv += [*tmp, "/tmp", *tmp, "/dev/shm", "--symlink", "/tmp", "/var/tmp"]
+    if passwd_dir is not None:
+        argv += ["--ro-bind", str(passwd_dir / "passwd"), "/etc/passwd"]
+        argv += ["--ro-bind", str(passwd_dir / "group"), "/etc/group"]
+    for hidden in hidden_inside(hide_paths, shown):
+        if hidden.is_dir() and empty_dir is not None:
+            argv += ["--ro-bind", str(empty_dir), str(hidden)]
+        elif hidden.is_dir():
+            argv += ["--tmpfs", str(hidden), "--remount-ro", str(hidden)]
+        else:
             argv += ["--ro-bind", "/dev/null", str(hidden)]
     # Bind sources are resolved on the host, so a workspace below a hidden dir still works.
-    argv += ["--bind", str(workspace), INSIDE_WORKSPACE, "--bind", str(ctl_dir), INSIDE_CTL]
-    argv += ["--ro-bind", str(AGENT_SCRIPT), INSIDE_AGENT]
+    argv += [*parents(inside_workspace), "--bind", str(workspace), inside_workspace]
+    argv += [*parents(INSIDE_CTL), "--bind", str(ctl_dir), INSIDE_CTL]
+    argv += [*parents(INSIDE_AGENT), "--ro-bind", str(AGENT_SCRIPT), INSIDE_AGENT]
     if proxy_socket is not None:
         argv += ["--bind", str(proxy_socket), PROXY_SOCKET_INSIDE]
+    for inside, host in (ro_binds or {}).items():
+        argv += [*parents(inside), "--ro-bind", str(host), inside]
     for inside, host in (extra_binds or {}).items():
-        argv += ["--bind", str(host), inside]
+        argv += [*parents(inside), "--bind", str(host), inside]
     argv += ["--remount-ro", "/"]
-    argv += ["--unshare-all", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
-    argv += ["--hostname", "sandbox", "--chdir", INSIDE_WORKSPACE, "--clearenv"]
+    if drop_to is None:
+        argv += ["--unshare-all", "--cap-drop", "ALL"]
+    else:  # privileged bwrap, no user namespace; the agent drops to the uid (see the module doc)
+        argv += [*NAMESPACES, "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    argv += ["--die-with-parent", "--new-session"]
+    argv += ["--hostname", "sandbox", "--chdir", inside_workspace, "--clearenv"]
     for k, v in sandbox_path_env({**(env or {}), "LEGORL_SANDBOX": label}).items():
         argv += ["--setenv", k, v]
     argv += ["--", host_python(), "-I", "-S", INSIDE_AGENT, f"{INSIDE_CTL}/control.sock"]
     if proxy_socket is not None:
         argv += ["--relay", str(relay_port), PROXY_SOCKET_INSIDE]
+    if spec := limits.agent_arg():
+        argv += ["--limits", spec]
+    argv += ["--workdir", inside_workspace]
+    if drop_to is not None:
+        argv += ["--uid", str(drop_to[0]), "--gid", str(drop_to[1])]
     return argv
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (parents first)."""
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    for p in process_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
-class BwrapSandbox:
-    inside_workspace = INSIDE_WORKSPACE
-
+class BwrapSandbox(ControlledSandbox):
     def __init__(
         self,
         proc: asyncio.subprocess.Process,
@@ -173,15 +190,11 @@ class BwrapSandbox:
         sandbox_dir: Path,
         label: str,
         relay_port: int,
+        inside_workspace: str = INSIDE_WORKSPACE,
     ) -> None:
+        super().__init__(workspace, sandbox_dir, label, relay_port)
         self.proc = proc
-        self.workspace = workspace
-        self.sandbox_dir = sandbox_dir
-        self.label = label
-        self.relay_port = relay_port
-        self.control_socket = sandbox_dir / "ctl" / "control.sock"
-        self.client = SandboxClient(self.control_socket)
-        self._closed = False
+        self.inside_workspace = inside_workspace
 
     @property
     def pid(self) -> int:
@@ -196,22 +209,50 @@ class BwrapSandbox:
         label: str,
         proxy_socket: Path | None = None,
         relay_port: int = 18000,
-        hide_paths: list[Path] | tuple[Path, ...] = (),
+        hide_paths: Sequence[Path] = (),
         memory_mb: int | None = None,
         env: dict[str, str] | None = None,
         extra_binds: dict[str, Path] | None = None,
         start_timeout: float = 20.0,
+        limits: SandboxLimits | None = None,
+        ro_binds: dict[str, Path] | None = None,
+        inside_workspace: str = INSIDE_WORKSPACE,
+        visible_paths: Sequence[Path | str] = (),
+        sandbox_uid: int | None = None,
     ) -> BwrapSandbox:
-        """Start bwrap and return once the in-sandbox agent answers a ping.
+        """Start bwrap and return once the in-sandbox agent accepts commands.
 
-        ``extra_binds`` maps an inside path to a host dir bound read-write (the grader's
-        verifier dir). ``memory_mb`` caps the address space of everything in the sandbox.
+        ``limits`` bounds processes, memory, CPU, file and workspace size and the sandbox's
+        lifetime (``memory_mb`` is a shortcut for ``limits.memory_mb``). ``extra_binds`` /
+        ``ro_binds`` map an inside path to a host path bound read-write / read-only;
+        ``visible_paths`` adds host paths to the read-only view (toolchains); ``hide_paths``
+        are covered even when inside a visible dir. ``sandbox_uid`` overrides the uid a root
+        driver drops to (default: a random one per sandbox; 0: stay root, no process limit).
         """
+        limits = limits or SandboxLimits()
+        if memory_mb is not None:
+            limits = limits.with_(memory_mb=memory_mb)
         workspace, sandbox_dir = Path(workspace).resolve(), Path(sandbox_dir).resolve()
         ctl = sandbox_dir / "ctl"
         ctl.mkdir(parents=True, exist_ok=True)
+        empty = sandbox_dir / "empty"
+        empty.mkdir(exist_ok=True)
         if proxy_socket is not None and not Path(proxy_socket).exists():
             raise SandboxError(f"proxy socket {proxy_socket} does not exist: start the proxy first")
+        if not workspace.is_dir():
+            raise SandboxError(f"workspace {workspace} is not a directory")
+        ids = sandbox_ids(sandbox_uid)
+        passwd_dir = None
+        if ids is not None:
+            await asyncio.to_thread(chown_tree, workspace, *ids)
+            if proxy_socket is not None:  # connecting to a Unix socket needs write permission on it
+                mode = os.stat(proxy_socket).st_mode
+                os.chmod(proxy_socket, (mode & 0o7777) | 0o666)
+            if (lines := passwd_lines(*ids)) is not None:
+                passwd_dir = sandbox_dir / "etc"
+                passwd_dir.mkdir(exist_ok=True)
+                (passwd_dir / "passwd").write_text(lines[0])
+                (passwd_dir / "group").write_text(lines[1])
         argv = bwrap_argv(
             workspace=workspace,
             ctl_dir=ctl,
@@ -221,111 +262,100 @@ class BwrapSandbox:
             hide_paths=hide_paths,
             env=env,
             extra_binds=extra_binds,
+            ro_binds=ro_binds,
+            limits=limits,
+            inside_workspace=inside_workspace,
+            visible=visible_paths,
+            empty_dir=empty,
+            passwd_dir=passwd_dir,
+            drop_to=ids,
         )
-        if memory_mb is not None:
-            argv = ["prlimit", f"--as={memory_mb * 1024 * 1024}", "--", *argv]
         log = os.open(sandbox_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
             )
         except OSError as e:
             raise SandboxError(f"could not start bwrap: {e}") from e
         finally:
             os.close(log)
         (sandbox_dir / "label.json").write_text(
-            json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time()})
+            json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time(), "uid": ids and ids[0]})
         )
-        box = cls(proc, workspace, sandbox_dir, label, relay_port)
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                break
-            if box.control_socket.exists() and await asyncio.to_thread(box.client.ping, 2.0):
-                return box
-            await asyncio.sleep(0.02)
-        await box.close()
-        tail = (sandbox_dir / "bwrap.log").read_text(errors="replace")[-2000:]
-        raise SandboxError(f"sandbox {label} did not start (bwrap exit {proc.returncode}): {tail}")
-
-    async def _request(self, payload: dict, timeout: float) -> dict:
-        if self._closed:
-            raise SandboxError(f"sandbox {self.label} is closed")
+        box = cls(proc, workspace, sandbox_dir, label, relay_port, inside_workspace)
+        assert proc.stdout is not None
         try:
-            sock = connect_unix(self.control_socket, 5.0)
-            sock.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=_READ_LIMIT)
-        except OSError as e:
-            raise SandboxError(f"sandbox {self.label}: control socket unreachable: {e}") from e
-        try:
-            writer.write(json.dumps(payload).encode() + b"\n")
-            await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), timeout)
-        except (TimeoutError, OSError, ValueError) as e:
-            raise SandboxError(f"sandbox {self.label}: no reply from agent: {e!r}") from e
-        finally:
-            writer.close()
-        if not line:
-            raise SandboxError(f"sandbox {self.label}: agent closed the connection (sandbox died?)")
-        return json.loads(line)
-
-    async def exec(
-        self,
-        command: str,
-        timeout: float = 30,
-        cwd: str = INSIDE_WORKSPACE,
-        env: dict[str, str] | None = None,
-    ) -> ExecResult:
-        """Run ``bash -c command``; on timeout the command's process group is killed."""
-        reply = await self._request(exec_request(command, timeout, cwd, env), timeout + REPLY_SLACK_S)
-        return parse_exec_reply(reply)
-
-    async def write_file(self, path: str, content: str | bytes) -> None:
-        import base64
-
-        data = content.encode() if isinstance(content, str) else content
-        reply = await self._request(
-            {"op": "write_file", "path": path, "content_b64": base64.b64encode(data).decode()}, 30
+            line = await asyncio.wait_for(proc.stdout.readline(), start_timeout)
+        except TimeoutError:
+            line = b""
+        if line.strip() != b"ready":
+            await box.close()
+            tail = (sandbox_dir / "bwrap.log").read_text(errors="replace")[-2000:]
+            raise SandboxError(f"sandbox {label} did not start (bwrap exit {proc.returncode}): {tail}")
+        deadline = time.monotonic() + limits.lifetime_s if limits.lifetime_s else None
+        box.watch = WATCHDOG.add(
+            Watch(
+                pid=proc.pid,
+                label=label,
+                workspace=workspace,
+                memory_bytes=limits.memory_mb and limits.memory_mb * MiB,
+                workspace_bytes=limits.workspace_mb and limits.workspace_mb * MiB,
+                deadline=deadline,
+            )
         )
-        if "error" in reply:
-            raise SandboxError(f"write_file {path} failed: {reply['error']}")
+        return box
 
     async def close(self) -> None:
         """Kill bwrap and everything under it. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.watch is not None:
+            WATCHDOG.remove(self.watch)
         kill_tree(self.proc.pid)
         try:
             await asyncio.wait_for(self.proc.wait(), 10)
         except TimeoutError:
             pass
 
-    async def __aenter__(self) -> Self:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+def _is_our_bwrap(pid: int, ctl: str) -> bool:
+    cmd = cmdline(pid)
+    return bool(cmd) and any(Path(a).name == "bwrap" for a in cmd[:3]) and ctl in cmd
 
 
-async def reap_orphans(sandboxes_root: Path) -> list[int]:
+async def reap_orphans(sandboxes_root: Path, label: str | None = None) -> list[int]:
     """Kill bwrap processes left by an earlier (killed) run under ``sandboxes_root``.
 
     A pid is only killed when its command line still is a bwrap mentioning that sandbox's
-    dir, so a recycled pid is never hit. Returns the pids killed.
+    dir, so a recycled pid is never hit. With ``label``, every bwrap of the host carrying that
+    run label is killed too (wherever its dir). Returns the pids killed.
     """
     killed: list[int] = []
     root = Path(sandboxes_root)
-    if not root.exists():
-        return killed
-    for label_file in root.rglob("label.json"):
-        try:
-            pid = int(json.loads(label_file.read_text())["bwrap_pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        cmd = _cmdline(pid)
-        ctl = str(label_file.parent.resolve() / "ctl")
-        if cmd and any(Path(a).name == "bwrap" for a in cmd[:3]) and ctl in cmd:
-            kill_tree(pid)
-            killed.append(pid)
+    if root.exists():
+        for label_file in root.rglob("label.json"):
+            try:
+                pid = int(json.loads(label_file.read_text())["bwrap_pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if _is_our_bwrap(pid, str(label_file.parent.resolve() / "ctl")):
+                kill_tree(pid)
+                killed.append(pid)
+    if label is not None:
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in killed:
+                continue
+            cmd = cmdline(int(name))
+            if cmd and Path(cmd[0]).name == "bwrap" and f"\0LEGORL_SANDBOX\0{label}\0" in "\0".join(["", *cmd, ""]):
+                kill_tree(int(name))
+                killed.append(int(name))
+    for pid in killed:  # wait (briefly) until they are gone, so callers can rely on it
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
     return killed

@@ -51,7 +51,10 @@ def connect_unix(path: Path, timeout: float | None) -> socket.socket:
     return sock
 
 
-def exec_request(command: str, timeout: float, cwd: str, env: dict[str, str] | None) -> dict[str, Any]:
+def exec_request(
+    command: str, timeout: float, cwd: str | None, env: dict[str, str] | None
+) -> dict[str, Any]:
+    """``cwd=None``: the sandbox's workspace."""
     return {"op": "exec", "command": command, "timeout": timeout, "cwd": cwd, "env": env or {}}
 
 
@@ -80,7 +83,7 @@ class SandboxClient:
         return json.loads(line)
 
     def exec(
-        self, command: str, timeout: float = 30, cwd: str = "/workspace", env: dict[str, str] | None = None
+        self, command: str, timeout: float = 30, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ExecResult:
         reply = self.request(exec_request(command, timeout, cwd, env), timeout + REPLY_SLACK_S)
         return parse_exec_reply(reply)
@@ -98,3 +101,9 @@ class SandboxClient:
         )
         if "error" in reply:
             raise SandboxError(f"write_file {path} failed: {reply['error']}")
+
+    def read_file(self, path: str, timeout: float = 30, max_bytes: int = 64 * 1024 * 1024) -> bytes:
+        reply = self.request({"op": "read_file", "path": path, "max_bytes": max_bytes}, timeout)
+        if "error" in reply:
+            raise SandboxError(f"read_file {path} failed: {reply['error']}")
+        return base64.b64decode(reply["content_b64"])

@@ -1,4 +1,4 @@
-"""In-sandbox agent: runs as the sandbox's main process (stdlib only, no legorl imports).
+"""In-sandbox agent: the sandbox's main process (stdlib only, no legorl imports).
 
 It serves two things inside the sandbox:
 
@@ -8,36 +8,102 @@ It serves two things inside the sandbox:
   namespace) forwarding every connection byte-for-byte to the LLM proxy's Unix
   socket, so the harness reaches its model and nothing else.
 
+Start-up is on the critical path of every rollout, so the agent binds its sockets using
+only built-in modules, applies its resource limits, writes ``ready`` to its stdout (the
+host waits on that pipe instead of polling) and only then imports the rest.
+
 Usage: python3 -I -S sandbox_agent.py CONTROL_SOCKET [--relay PORT PROXY_SOCKET]
+           [--limits nproc=N,data=BYTES,as=BYTES,cpu=S,fsize=BYTES,nofile=N] [--workdir DIR]
+           [--uid UID --gid GID]
+
+With ``--uid``/``--gid`` (a root driver: bwrap runs privileged, without a user namespace,
+keeping only CAP_SETUID/CAP_SETGID) the agent binds its sockets as root, then drops to that
+uid for good (which clears every capability) before anything else runs.
 """
 
-from __future__ import annotations
-
-import base64
-import json
-import os
-import signal
-import socket
-import subprocess
+import _signal
+import _socket
+import _thread
+import posix
 import sys
-import tempfile
-import threading
 
-MAX_OUTPUT = 2_000_000  # characters kept per command (head + tail) so one reply stays bounded
+MAX_OUTPUT = 2_000_000  # bytes kept per command (head + tail) so one reply stays bounded
+MAX_READ = 64 * 1024 * 1024
+CPU_LIMIT = [0]  # RLIMIT_CPU applied to each command (0: none)
+RESOURCE = []  # the resource module, once imported (the fork child must not import)
+WORKDIR = ["/workspace"]
 
 
-def _trim(text: str) -> str:
-    if len(text) <= MAX_OUTPUT:
-        return text
+def parse_args(argv: list) -> dict:
+    opts = {"control": argv[0], "relay": None, "limits": "", "workdir": "/workspace", "uid": "", "gid": ""}
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--relay":
+            opts["relay"] = (int(argv[i + 1]), argv[i + 2])
+            i += 3
+        elif arg in ("--limits", "--workdir", "--uid", "--gid"):
+            opts[arg[2:]] = argv[i + 1]
+            i += 2
+        else:
+            raise SystemExit(f"sandbox_agent: unknown argument {arg!r}")
+    return opts
+
+
+def apply_limits(spec: str) -> None:
+    import resource
+
+    RESOURCE.append(resource)
+    names = {
+        "nproc": resource.RLIMIT_NPROC,
+        "data": resource.RLIMIT_DATA,
+        "as": resource.RLIMIT_AS,
+        "fsize": resource.RLIMIT_FSIZE,
+        "nofile": resource.RLIMIT_NOFILE,
+    }
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        if key == "cpu":
+            CPU_LIMIT[0] = int(value)
+            continue
+        which = names[key]
+        _, hard = resource.getrlimit(which)
+        v = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
+        resource.setrlimit(which, (v, v))  # hard too: nothing inside can raise it back
+
+
+def _cpu_limit() -> None:  # runs in the command's child between fork and exec
+    resource = RESOURCE[0]
+    resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT[0], CPU_LIMIT[0]))
+
+
+def _read_trimmed(f) -> str:
+    import os
+
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    if size <= MAX_OUTPUT:
+        data = f.read()
+        return data.decode("utf-8", errors="replace")
     half = MAX_OUTPUT // 2
-    return text[:half] + f"\n... [{len(text) - MAX_OUTPUT} characters truncated] ...\n" + text[-half:]
+    head = f.read(half)
+    f.seek(size - half)
+    tail = f.read(half)
+    note = f"\n... [{size - MAX_OUTPUT} bytes truncated] ...\n"
+    return head.decode("utf-8", errors="replace") + note + tail.decode("utf-8", errors="replace")
 
 
 def run_command(req: dict) -> dict:
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
     timeout = float(req.get("timeout", 30))
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-    cwd = req.get("cwd") or "/workspace"
+    cwd = req.get("cwd") or WORKDIR[0]
     # Output goes to a file, not a pipe: a background child that keeps the pipe open
     # must not block the reply after the command itself finished.
     with tempfile.TemporaryFile(dir="/tmp") as out:
@@ -50,6 +116,7 @@ def run_command(req: dict) -> dict:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_cpu_limit if CPU_LIMIT[0] else None,
             )
         except OSError as e:
             return {"output": f"failed to start command: {e}", "returncode": 127, "timed_out": False}
@@ -64,12 +131,14 @@ def run_command(req: dict) -> dict:
                 pass
             proc.wait()
             returncode = -1
-        out.seek(0)
-        output = out.read().decode("utf-8", errors="replace")
-    return {"output": _trim(output), "returncode": returncode, "timed_out": timed_out}
+        output = _read_trimmed(out)
+    return {"output": output, "returncode": returncode, "timed_out": timed_out}
 
 
 def write_file(req: dict) -> dict:
+    import base64
+    import os
+
     path = req["path"]
     data = base64.b64decode(req["content_b64"]) if "content_b64" in req else req["content"].encode()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -79,8 +148,14 @@ def write_file(req: dict) -> dict:
 
 
 def read_file(req: dict) -> dict:
+    import base64
+
+    limit = int(req.get("max_bytes", MAX_READ))
     with open(req["path"], "rb") as f:
-        return {"content_b64": base64.b64encode(f.read()).decode()}
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        return {"error": f"{req['path']} is larger than {limit} bytes"}
+    return {"content_b64": base64.b64encode(data).decode()}
 
 
 OPS = {
@@ -91,7 +166,11 @@ OPS = {
 }
 
 
-def serve_control(conn: socket.socket) -> None:
+def serve_control(fd: int) -> None:
+    import json
+    import socket
+
+    conn = socket.socket(fileno=fd)
     with conn, conn.makefile("rwb") as f:
         for line in f:
             try:
@@ -103,7 +182,7 @@ def serve_control(conn: socket.socket) -> None:
             f.flush()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src, dst) -> None:
     try:
         while data := src.recv(65536):
             dst.sendall(data)
@@ -111,12 +190,15 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
         pass
     finally:
         try:
-            dst.shutdown(socket.SHUT_WR)  # half-close: let the other direction finish
+            dst.shutdown(_socket.SHUT_WR)  # half-close: let the other direction finish
         except OSError:
             pass
 
 
-def relay(client: socket.socket, proxy_path: str) -> None:
+def relay(fd: int, proxy_path: str) -> None:
+    import socket
+
+    client = socket.socket(fileno=fd)
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         upstream.connect(proxy_path)
@@ -124,39 +206,72 @@ def relay(client: socket.socket, proxy_path: str) -> None:
         client.close()
         upstream.close()
         return
-    t = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
-    t.start()
+    done = _thread.allocate_lock()
+    done.acquire()
+
+    def back() -> None:
+        try:
+            _pump(upstream, client)
+        finally:
+            done.release()
+
+    _thread.start_new_thread(back, ())
     _pump(client, upstream)
-    t.join()
+    done.acquire()
     client.close()
     upstream.close()
 
 
-def accept_loop(server: socket.socket, handler, *args) -> None:
+def accept_loop(server, handler, *args) -> None:
     while True:
-        conn, _ = server.accept()
-        threading.Thread(target=handler, args=(conn, *args), daemon=True).start()
+        try:
+            fd, _ = server._accept()
+        except InterruptedError:
+            continue
+        _thread.start_new_thread(handler, (fd, *args))
 
 
-def main(argv: list[str]) -> None:
-    control_path = argv[0]
-    if len(argv) >= 4 and argv[1] == "--relay":
-        port, proxy_path = int(argv[2]), argv[3]
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _warm_up() -> None:
+    import base64  # noqa: F401 - imported now so the first request does not pay for it
+    import json  # noqa: F401
+    import os  # noqa: F401
+    import socket  # noqa: F401
+    import subprocess  # noqa: F401
+    import tempfile  # noqa: F401
+
+
+def main(argv: list) -> None:
+    opts = parse_args(argv)
+    WORKDIR[0] = opts["workdir"]
+    if opts["limits"]:
+        apply_limits(opts["limits"])
+    if opts["relay"] is not None:
+        port, proxy_path = opts["relay"]
+        tcp = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        tcp.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         tcp.bind(("127.0.0.1", port))
         tcp.listen(128)
-        threading.Thread(target=accept_loop, args=(tcp, relay, proxy_path), daemon=True).start()
-    if os.path.exists(control_path):
-        os.unlink(control_path)
-    tmp_path = control_path + ".tmp"
-    if os.path.exists(tmp_path):
-        os.unlink(tmp_path)
-    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    ctl.bind(tmp_path)
+        _thread.start_new_thread(accept_loop, (tcp, relay, proxy_path))
+    control_path = opts["control"]
+    try:
+        posix.unlink(control_path)
+    except FileNotFoundError:
+        pass
+    ctl = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    ctl.bind(control_path)
     ctl.listen(128)
-    os.rename(tmp_path, control_path)  # appears only once it accepts: the host polls for it
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    _signal.signal(_signal.SIGTERM, lambda *_: posix._exit(0))
+    if opts["uid"]:
+        uid, gid = int(opts["uid"]), int(opts["gid"] or opts["uid"])
+        posix.setgroups([])
+        posix.setresgid(gid, gid, gid)
+        posix.setresuid(uid, uid, uid)  # from 0 to non-zero: permitted, effective and ambient caps cleared
+    # Tell the host we accept connections, then let go of the pipe.
+    posix.write(1, b"ready\n")
+    devnull = posix.open("/dev/null", posix.O_WRONLY)
+    posix.dup2(devnull, 1)
+    posix.close(devnull)
+    _thread.start_new_thread(_warm_up, ())
     accept_loop(ctl, serve_control)
 
 

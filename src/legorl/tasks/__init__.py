@@ -1,17 +1,30 @@
-"""Tasks: the schema, loaders, the built-in suite and repo preparation."""
+"""Tasks: the schema, loaders (SWE-bench JSONL, Harbor / terminal-bench dirs, built-in), repo preparation.
 
-from legorl.tasks.builtin import FAMILIES, builtin_splits, generate_tasks
-from legorl.tasks.loaders import load_jsonl
-from legorl.tasks.repo import assert_clean_history, prepare_repo
-from legorl.tasks.schema import Task, TaskError
+Attributes load lazily so that ``legorl.tasks.cli`` stays cheap to import.
+"""
 
-__all__ = [
-    "FAMILIES",
-    "Task",
-    "TaskError",
-    "assert_clean_history",
-    "builtin_splits",
-    "generate_tasks",
-    "load_jsonl",
-    "prepare_repo",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FAMILIES": "legorl.tasks.builtin",
+    "builtin_splits": "legorl.tasks.builtin",
+    "generate_tasks": "legorl.tasks.builtin",
+    "load_jsonl": "legorl.tasks.loaders",
+    "load_tasks": "legorl.tasks.loaders",
+    "load_task_dirs": "legorl.tasks.harbor",
+    "assert_clean_history": "legorl.tasks.repo",
+    "assert_no_hidden_tests": "legorl.tasks.repo",
+    "prepare_repo": "legorl.tasks.repo",
+    "Task": "legorl.tasks.schema",
+    "TaskError": "legorl.tasks.schema",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(name)

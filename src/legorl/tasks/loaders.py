@@ -1,17 +1,23 @@
-"""Task loaders (SWE-bench style JSONL)."""
+"""Task loaders: SWE-bench style JSONL, Harbor / terminal-bench task dirs, the built-in suite."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pydantic
 
 from legorl.tasks.schema import Task, TaskError
 
+BUILTIN_DEFAULT_N = 8
+
 
 def load_jsonl(path: Path | str) -> list[Task]:
-    """One Task per non-empty line; a bad row raises TaskError naming the line and field."""
+    """One Task per non-empty line; a bad row raises TaskError naming the line and field.
+
+    A relative ``repo_path`` is resolved against the JSONL file's directory.
+    """
     path = Path(path)
     tasks: list[Task] = []
     with path.open(encoding="utf-8") as f:
@@ -24,6 +30,8 @@ def load_jsonl(path: Path | str) -> list[Task]:
                 raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(row, dict):
                 raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            if isinstance(row.get("repo_path"), str) and not Path(row["repo_path"]).is_absolute():
+                row["repo_path"] = str((path.parent / row["repo_path"]).resolve())
             try:
                 tasks.append(Task.model_validate(row))
             except pydantic.ValidationError as e:
@@ -33,4 +41,28 @@ def load_jsonl(path: Path | str) -> list[Task]:
                 )
                 name = row.get("instance_id", "?")
                 raise TaskError(f"{path}:{lineno} (instance {name}): {problems}") from e
+    ids = [t.instance_id for t in tasks]
+    if dupes := sorted({i for i in ids if ids.count(i) > 1}):
+        raise TaskError(f"{path}: duplicate instance ids {dupes[:5]}")
     return tasks
+
+
+def load_tasks(spec: str | Path) -> list[Task]:
+    """Tasks from ``builtin`` / ``builtin:N`` / ``builtin:N:SEED`` (the built-in suite), a ``.jsonl``
+    file (SWE-bench rows with ``repo_path``), or a Harbor / terminal-bench task dir (or a dir of them)."""
+    text = str(spec)
+    if m := re.fullmatch(r"builtin(?::(\d+))?(?::(\d+))?", text):
+        from legorl.tasks.builtin import generate_tasks
+
+        n = int(m[1]) if m[1] else BUILTIN_DEFAULT_N
+        if n <= 0:
+            raise TaskError("builtin:N needs N > 0")
+        return generate_tasks(None, n, seed=int(m[2] or 0), split="train")
+    path = Path(spec)
+    if not path.exists():
+        raise TaskError(f"task source {text!r} not found (use builtin, builtin:N, a .jsonl file or a task dir)")
+    if path.is_dir():
+        from legorl.tasks.harbor import load_task_dirs
+
+        return load_task_dirs(path)
+    return load_jsonl(path)

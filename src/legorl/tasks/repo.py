@@ -8,6 +8,8 @@ so the commit hash is deterministic.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shutil
 import subprocess
@@ -65,12 +67,16 @@ def _safe_rel(path: str) -> PurePosixPath:
 
 def _copy_source(task: Task, dest: Path) -> None:
     if task.repo_path is None:
-        if not task.files:
+        if not task.files and not task.binary_files:
             raise TaskError(f"task {task.instance_id}: neither repo_path nor files given")
         for rel, content in task.files.items():
             target = dest / _safe_rel(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content, encoding="utf-8")
+        for rel, b64 in task.binary_files.items():
+            target = dest / _safe_rel(rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(base64.b64decode(b64))
         return
     src = Path(task.repo_path)
     if src.is_dir():
@@ -111,10 +117,13 @@ def prepare_repo(task: Task, dest: Path) -> str:
     # Any nested .git (a tarball's, a submodule's) would carry history: drop it.
     for p in sorted(dest.rglob(".git"), key=lambda p: len(p.parts), reverse=True):
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    for rel in task.hidden_files:  # hidden tests never enter the agent's repo
-        target = dest / _safe_rel(rel)
-        if target.exists() or target.is_symlink():
-            target.unlink()
+    if not task.tests_dir:
+        for rel in task.hidden_files:  # hidden tests never enter the agent's repo
+            target = dest / _safe_rel(rel)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
     git(dest, "init", "-q")
     git(dest, "add", "-A", "--force")
     git(dest, "commit", "-q", "--no-verify", "--allow-empty", "-m", f"{task.instance_id}: base")
@@ -123,6 +132,7 @@ def prepare_repo(task: Task, dest: Path) -> str:
         sample_hook.unlink()
     sha = git(dest, "rev-parse", "HEAD").strip()
     assert_clean_history(dest)
+    assert_no_hidden_tests(dest, task)
     return sha
 
 
@@ -149,3 +159,27 @@ def assert_clean_history(dest: Path) -> None:
     stray = git(dest, "fsck", "--unreachable", "--dangling", "--no-reflogs", "--no-progress").strip()
     if stray:
         raise TaskError(f"{dest}: unreachable objects: {stray.splitlines()[:3]}")
+
+
+def _blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # noqa: S324 - git's object id
+
+
+def assert_no_hidden_tests(dest: Path, task: Task) -> None:
+    """Raise TaskError if the hidden tests are in the prepared repo in any form we can detect:
+    a hidden file's content anywhere in the tree (any path), or a test patch that no longer
+    applies to the base (its changes are already there: wrong base_commit)."""
+    blobs = {line.split()[2] for line in git(dest, "ls-tree", "-r", "HEAD").splitlines() if line.strip()}
+    for rel, content in task.hidden_files.items():
+        if len(content.strip()) >= 32 and _blob_id(content.encode("utf-8")) in blobs:  # tiny files are not distinctive
+            raise TaskError(f"task {task.instance_id}: hidden test {rel} is in the agent's repo")
+    if task.test_patch.strip():
+        check = subprocess.run(
+            ["git", *GIT_OPTS, "apply", "--check", "-"],
+            cwd=dest, env=git_env(), input=task.test_patch.encode(), capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        if check.returncode != 0:
+            raise TaskError(
+                f"task {task.instance_id}: the hidden test patch does not apply to the base commit "
+                f"(are the hidden tests already in the repo?): {check.stderr.decode(errors='replace')[-300:]}"
+            )

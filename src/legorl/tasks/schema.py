@@ -27,11 +27,18 @@ class Task(pydantic.BaseModel):
     test_command: str = "python -m pytest -q"
     FAIL_TO_PASS: list[str] = []
     PASS_TO_PASS: list[str] = []
-    files: dict[str, str] = {}  # repo contents for built-in tasks
+    files: dict[str, str] = {}  # repo contents for built-in tasks (text)
+    binary_files: dict[str, str] = {}  # path -> base64 content (Harbor environments ship data files)
     family: str = ""
     split: str = "train"
-    setup: str = ""
-    limits: dict[str, Any] = {}
+    setup: str = ""  # run on pristine sources in the grading sandbox before the agent's diff
+    limits: dict[str, Any] = {}  # e.g. agent_timeout_s, grading_timeout_s, memory_mb, cpus, workspace_mb
+    # Grading and sandbox layout (all optional; SWE-bench rows need none of them):
+    protected_paths: list[str] = []  # paths/globs the grader never takes from the agent's diff
+    tests_dir: str | None = None  # absolute dir (e.g. "/tests") where hidden_files are mounted read-only
+    workdir: str = "/workspace"  # where the repo appears inside the sandbox (terminal-bench: "/app")
+    solution_script: str = ""  # a shell script that solves the task (Harbor/terminal-bench oracles)
+    image: str | None = None  # container image for the docker backend
 
     @pydantic.field_validator("FAIL_TO_PASS", "PASS_TO_PASS", mode="before")
     @classmethod
@@ -43,6 +50,13 @@ class Task(pydantic.BaseModel):
             except json.JSONDecodeError as e:
                 raise ValueError(f"expected a list of test ids or a JSON-encoded list, got {v[:80]!r}") from e
         return v
+
+    @pydantic.field_validator("workdir", "tests_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or ".." in v.split("/") or v.rstrip("/") in ("", "/run")):
+            raise ValueError(f"must be an absolute path (not / or /run), got {v!r}")
+        return v.rstrip("/") if v else v
 
     @property
     def test_ids(self) -> list[str]:

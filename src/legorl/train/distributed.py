@@ -140,8 +140,13 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
             )
     for m in model.modules():
         if isinstance(m, nn.Dropout) and m.p > 0:
-            raise ValueError(f"gradient checkpointing: dropout module with p={m.p} would be active in train mode")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            raise ValueError(
+                f"gradient checkpointing: dropout module with p={m.p} would be active in train mode"
+            )
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
 

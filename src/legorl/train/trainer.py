@@ -1,34 +1,56 @@
-"""The policy-gradient / SFT trainer (one process, one device; FSDP comes later).
+"""The policy-gradient / SFT trainer (one process by default; FSDP2 across ranks under torchrun).
 
-Normalisation choice (DESIGN.md: "per-rollout loss normalisation so splitting does not
-reweight rollouts"): the default ``loss_agg="token-mean"`` divides the summed token losses
-by the number of loss tokens in the whole batch. Every sampled token lives in exactly one
-training sequence (a segment break re-includes history only as mask-0 prompt), so how a
-rollout is split into sequences cannot change its weight; weighting by
-1/n_sequences_in_rollout would, on the contrary, halve a rollout's weight the moment it
-splits in two. ``loss_agg="rollout-mean"`` instead averages each rollout's tokens across
-all its sequences and then averages rollouts (every rollout weighs the same, whatever
-its length or number of segments).
+One ``train_step`` = one batch of rollouts = ``ppo_epochs x mini_batches`` optimizer steps.
 
-Both are computed with per-sequence weights fixed over the whole batch before the first
-micro-batch, so gradient accumulation gives exactly the full-batch gradient.
+- **Three policies.** With a single update and no rejection, the old policy is the current one
+  detached (one forward per micro-batch). Otherwise ("decoupled"), an old-logprob pass runs
+  first with no grad over the same micro-batches; the PPO ratio is cur/old and the IS weight
+  old/rollout, so a multi-update step never mistakes old for rollout.
+- **Normalisation** (DESIGN.md: "per-rollout loss normalisation"). ``loss_agg``: ``token-mean``
+  (default; every kept token of the mini-batch weighs the same; a rollout split into several
+  sequences keeps its weight because each sampled token lives in exactly one sequence),
+  ``seq-mean-token-mean`` (each rollout weighs the same; ``rollout-mean`` is an alias),
+  ``seq-mean-token-sum`` (sum per rollout, mean over rollouts). Weights are fixed per sequence
+  before the first micro-batch, from the tokens left after IS rejection, so rejected tokens leave
+  numerator and denominator and gradient accumulation equals the full-batch gradient.
+- **Routing replay** (MoE): ``off``; ``R3`` replays the sampler's recorded experts
+  (TrainingSequence.routed_experts); ``R2`` replays the experts the trainer itself chose in the
+  old-logprob pass (so an update cannot flip routes under PPO). Under R3 with several updates,
+  positions without a recorded route are replayed from the old pass too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from legorl.models.routing import (
+    ReplayStats,
+    RoutingRecorder,
+    record_routing,
+    replay_routing,
+    routing_shape,
+)
 from legorl.records import TrainingSequence
+from legorl.train import distributed as dist
+from legorl.train.batching import Micro, collate, micro_batches, mini_batches
 from legorl.train.logprobs import sequence_logprobs
-from legorl.train.losses import policy_terms
+from legorl.train.losses import AGGREGATIONS, IS_MODES, ISCorrection, is_correction, k3, policy_terms
+from legorl.train.metrics import mean, mismatch_metrics
+from legorl.train.schedule import LRSchedule
 
-LOSS_AGGS = ("token-mean", "rollout-mean")
+LOSS_AGGS = (*AGGREGATIONS, "rollout-mean")
+ROUTING_REPLAY = ("off", "R2", "R3")
 STATE_FILE = "trainer_state.pt"
+REFERENCE_DIR = "reference"
 
 
 class Trainer:
@@ -49,166 +71,324 @@ class Trainer:
         pad_id: int = 0,
         loss_agg: str = "token-mean",
         device: str | torch.device | None = None,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
+        is_mode: str = "tis",
+        token_mask: tuple[float, float] | None = None,
+        seq_mask: tuple[float, float] | None = None,
+        kl_coef: float = 0.0,
+        ref_model: torch.nn.Module | None = None,
+        entropy_coef: float = 0.0,
+        routing_replay: str = "off",
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        autocast: str | None = None,
+        gradient_checkpointing: bool = False,
+        fsdp: bool | str = "auto",
     ) -> None:
         if loss_agg not in LOSS_AGGS:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGGS}")
+        if is_mode not in IS_MODES:
+            raise ValueError(f"unknown is_mode {is_mode!r}; choose one of {IS_MODES}")
+        if routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"unknown routing_replay {routing_replay!r}; choose one of {ROUTING_REPLAY}")
+        if ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device)
+        self.route_shape = routing_shape(model)
+        if routing_replay != "off" and self.route_shape is None:
+            raise ValueError(
+                f"routing_replay={routing_replay!r} needs an MoE model with top-k routers; "
+                f"{type(model).__name__} has none (set routing_replay: off)"
+            )
         # Dropout off: trainer logprobs must be the same function the sampler evaluated.
         self.model.eval()
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        if gradient_checkpointing:
+            dist.enable_gradient_checkpointing(self.model)
+        # The KL reference: a frozen copy of the initial weights unless one is given.
+        self.ref_model = ref_model
+        if self.ref_model is None and kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model)
+        if self.ref_model is not None:
+            self.ref_model.to(self.device).eval().requires_grad_(False)
+        self.autocast_dtype = autocast
+        if dist.fsdp_wanted(fsdp):
+            dist.shard_fsdp2(self.model, mixed_precision=autocast)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.base_lr = lr
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.schedule = LRSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
         self.max_grad_norm = max_grad_norm
         # Must equal the engine's sampling settings: logprobs are of the distribution sampled from.
         self.temperature, self.top_p = temperature, top_p
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
+        self.is_mode, self.token_mask, self.seq_mask = is_mode, token_mask, seq_mask
+        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
+        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+        self.routing_replay = routing_replay
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
         self.loss_agg = loss_agg
-        self.step = 0  # optimizer steps taken (the weight version the engine will serve next)
+        self.step = 0  # optimizer steps taken (policy updates + SFT steps)
+        self.policy_updates = 0  # policy optimizer steps: the lr schedule's clock
 
-    # ---- batching -------------------------------------------------------------------------
+    # ---- helpers ----------------------------------------------------------------------------
 
-    def _micro_batches(self, seqs: list[TrainingSequence]) -> list[list[int]]:
-        """Group sequence indices so that rows x padded length <= micro_batch_tokens.
+    @property
+    def _agg(self) -> str:
+        return "seq-mean-token-mean" if self.loss_agg == "rollout-mean" else self.loss_agg
 
-        Sorting by length keeps padding small; a sequence longer than the budget gets its own batch.
-        """
-        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i].token_ids))
-        batches: list[list[int]] = []
-        cur: list[int] = []
-        cur_max = 0
-        for i in order:
-            n = len(seqs[i].token_ids)
-            new_max = max(cur_max, n)
-            if cur and new_max * (len(cur) + 1) > self.micro_batch_tokens:
-                batches.append(cur)
-                cur, new_max = [], n
-            cur.append(i)
-            cur_max = new_max
-        if cur:
-            batches.append(cur)
-        return batches
+    def _sequence_weights(self, seqs: list[TrainingSequence], counts: list[int] | None = None) -> list[float]:
+        """Per-sequence token weight so that sum(weight * kept token loss) is the (mini-)batch loss."""
+        from legorl.train.losses import sequence_weights
 
-    def _collate(self, seqs: list[TrainingSequence]) -> dict[str, Tensor]:
-        """Right-padded tensors; targets/mask/logprobs are shifted to align with logits[:, :-1]."""
-        length = max(len(s.token_ids) for s in seqs)
-        ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(seqs), length), dtype=torch.long)
-        mask = torch.zeros((len(seqs), length), dtype=torch.bool)
-        rlp = torch.zeros((len(seqs), length), dtype=torch.float32)
-        for row, s in enumerate(seqs):
-            n = len(s.token_ids)
-            if not (len(s.loss_mask) == len(s.rollout_logprobs) == n):
-                raise ValueError(
-                    f"sequence of rollout {s.rollout_id}: token_ids/loss_mask/rollout_logprobs lengths "
-                    f"{n}/{len(s.loss_mask)}/{len(s.rollout_logprobs)} differ; rebuild it with build_sequences"
-                )
-            ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
-            attn[row, :n] = 1
-            mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-            rlp[row, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-        dev = self.device
-        return {
-            "input_ids": ids.to(dev),
-            "attention_mask": attn.to(dev),
-            "mask": mask[:, 1:].to(dev),  # the first token is never predicted
-            "rollout_logp": rlp[:, 1:].to(dev),
-        }
+        if counts is None:
+            counts = [sum(s.loss_mask[1:]) for s in seqs]
+        return sequence_weights(counts, [s.rollout_id for s in seqs], self._agg)
 
-    def _sequence_weights(self, seqs: list[TrainingSequence]) -> list[float]:
-        """Per-sequence token weight so that sum(weight * token_loss) is the batch loss."""
-        counts = [sum(s.loss_mask[1:]) for s in seqs]
-        if self.loss_agg == "token-mean":
-            total = sum(counts)
-            return [1.0 / total if total else 0.0] * len(seqs)
-        per_rollout: dict[str, int] = {}
-        for s, c in zip(seqs, counts):
-            per_rollout[s.rollout_id] = per_rollout.get(s.rollout_id, 0) + c
-        n_rollouts = sum(1 for c in per_rollout.values() if c > 0)
-        return [
-            1.0 / (n_rollouts * per_rollout[s.rollout_id]) if per_rollout[s.rollout_id] else 0.0 for s in seqs
-        ]
+    def _rejects(self) -> bool:
+        return self.token_mask is not None or self.seq_mask is not None or self.is_mode in ("mis", "seq-mis")
 
-    def _clip_and_step(self) -> tuple[float, bool]:
+    def _forward_routes(self, mb: Micro, decoupled_update: bool) -> Tensor | None:
+        """Routes to force in a forward over ``mb`` (None: route freely)."""
+        if self.routing_replay == "off":
+            return None
+        if decoupled_update and "routes_used" in mb.cache:
+            return mb.cache["routes_used"]  # R2, or R3 completed with the old pass's own routes
+        return mb.routes if self.routing_replay == "R3" else None
+
+    @contextlib.contextmanager
+    def _routing(
+        self,
+        model: torch.nn.Module,
+        routes: Tensor | None,
+        record: RoutingRecorder | None,
+        stats: ReplayStats,
+    ) -> Iterator[None]:
+        """Force ``routes`` (when given) and record the routes used (when asked) in forwards inside."""
+        if routes is not None:
+            with replay_routing(model, routes, record=record, stats=stats):
+                yield
+        elif record is not None:
+            with record_routing(model, record):
+                yield
+        else:
+            yield
+
+    def _logprobs(
+        self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        with dist.autocast(self.device, self.autocast_dtype):
+            return sequence_logprobs(
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                self.temperature,
+                self.top_p,
+                entropy_grad=entropy_grad,
+            )
+
+    def _old_pass(self, mb: Micro, stats: ReplayStats) -> None:
+        """No-grad forward: old logprobs, entropy, the routes the trainer used, reference logprobs."""
+        record = RoutingRecorder(self.route_shape[0]) if self.routing_replay != "off" else None
+        assert self.route_shape is not None or record is None
+        routes = mb.routes if self.routing_replay == "R3" else None
+        with torch.no_grad():
+            with self._routing(self.model, routes, record, stats):
+                old, ent = self._logprobs(self.model, mb)
+            mb.cache["old_logp"], mb.cache["entropy"] = old, ent
+            if record is not None:
+                used = record.pop().to(self.device)
+                pad = (mb.attention_mask == 0)[:, :, None, None]
+                mb.cache["routes_used"] = used.masked_fill(pad, -1)  # padding: the sentinel, never replayed
+            if self.ref_model is not None:
+                mb.cache["ref_logp"] = self._ref_logprobs(mb, mb.cache.get("routes_used", routes))
+
+    def _ref_logprobs(self, mb: Micro, routes: Tensor | None) -> Tensor:
+        assert self.ref_model is not None
+        with torch.no_grad(), self._routing(self.ref_model, routes, None, ReplayStats()):
+            ref, _ = self._logprobs(self.ref_model, mb)
+        return ref
+
+    def _correction(self, old: Tensor, mb: Micro) -> ISCorrection:
+        return is_correction(
+            old, mb.rollout_logp, mb.mask, self.is_mode, self.tis_cap, self.token_mask, self.seq_mask
+        )
+
+    def _clip_and_step(self, policy: bool) -> tuple[float, bool]:
         """Clip the gradient norm and step; a non-finite norm skips the step (weights stay sane)."""
         max_norm = self.max_grad_norm if self.max_grad_norm else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         ok = math.isfinite(grad_norm)
         if ok:
+            if policy:
+                lr = self.base_lr * self.schedule.factor(self.policy_updates)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
             self.optimizer.step()
             self.step += 1
+            self.policy_updates += int(policy)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, ok
 
     # ---- steps ----------------------------------------------------------------------------
 
     def train_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
-        """One policy-gradient update on a batch of sequences (old policy = current, detached).
+        """Policy-gradient update(s) on a batch of sequences; returns metrics (all floats).
 
-        Mismatch metrics compare the sampler's logprobs with the trainer's, computed in the
-        same forward pass, i.e. before the update.
+        Mismatch metrics compare the sampler's logprobs with the trainer's before any update.
         """
         n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
-        skip = n_loss == 0 or all(s.advantage == 0.0 for s in sequences)
-        weights = self._sequence_weights(sequences)
-        self.optimizer.zero_grad(set_to_none=True)
-        gathered: dict[str, list[Tensor]] = {
-            k: [] for k in ("cur", "roll", "ent", "ratio", "clipped", "w", "trunc")
-        }
-        loss_total = 0.0
-        total_tokens = 0
-        for idx in self._micro_batches(sequences):
-            batch = [sequences[i] for i in idx]
-            t = self._collate(batch)
-            total_tokens += int(t["attention_mask"].sum())
-            with torch.set_grad_enabled(not skip):
-                cur, ent = sequence_logprobs(
-                    self.model, t["input_ids"], t["attention_mask"], self.temperature
-                )
-                adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
-                terms = policy_terms(
-                    cur, None, t["rollout_logp"], adv, self.clip_low, self.clip_high, self.tis_cap
-                )
-                w = torch.tensor([weights[i] for i in idx], dtype=torch.float32, device=self.device)
-                masked = torch.where(t["mask"], terms.token_loss, torch.zeros_like(terms.token_loss))
-                loss = (masked * w.unsqueeze(-1)).sum()
-            if not skip:
-                loss.backward()
-            loss_total += float(loss.detach())
-            m = t["mask"]
-            gathered["cur"].append(cur.detach()[m])
-            gathered["roll"].append(t["rollout_logp"][m])
-            gathered["ent"].append(ent[m])
-            gathered["ratio"].append(terms.ratio[m])
-            gathered["clipped"].append(terms.clipped[m].float())
-            gathered["w"].append(terms.is_weight[m])
-            gathered["trunc"].append(terms.truncated[m].float())
+        signal = any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
+        skip = n_loss == 0 or not signal
+        minis = mini_batches(sequences, self.mini_batches)
+        n_updates = self.ppo_epochs * len(minis)
+        decoupled = n_updates > 1 or self._rejects()
+        plan = [
+            [
+                collate(sequences, idx, self.pad_id, self.device, self.route_shape)
+                for idx in micro_batches(sequences, mb, self.micro_batch_tokens)
+            ]
+            for mb in minis
+        ]
+        first_sight, update_sight = _RouteAcc(), _RouteAcc()
+        g: dict[str, list[Tensor]] = {k: [] for k in ("old", "roll", "ent", "w", "trunc", "kept", "kl_ref")}
+        corrections: dict[int, ISCorrection] = {}
+        weights: list[float] = [0.0] * len(sequences)
 
-        metrics: dict[str, float] = {"train/loss": loss_total}
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics.update({"train/grad_norm": 0.0, "train/skipped": 1.0})
+        def gather_old(mb: Micro, old: Tensor, ent: Tensor, corr: ISCorrection, ref: Tensor | None) -> None:
+            m = mb.mask
+            g["old"].append(old.detach()[m])
+            g["roll"].append(mb.rollout_logp[m])
+            g["ent"].append(ent.detach()[m])
+            g["w"].append(corr.weight[corr.keep])
+            g["trunc"].append(corr.truncated[corr.keep].float())
+            g["kept"].append(corr.keep[m].float())
+            if ref is not None:
+                g["kl_ref"].append(k3(old.detach(), ref)[corr.keep])
+
+        if decoupled or skip:
+            for micros in plan:
+                for mb in micros:
+                    stats = ReplayStats()
+                    self._old_pass(mb, stats)
+                    first_sight.add(stats, mb)
+                    corr = corrections[id(mb)] = self._correction(mb.cache["old_logp"], mb)
+                    gather_old(mb, mb.cache["old_logp"], mb.cache["entropy"], corr, mb.cache.get("ref_logp"))
+            for micros in plan:
+                counts = {
+                    i: int(corrections[id(mb)].keep[r].sum()) for mb in micros for r, i in enumerate(mb.index)
+                }
+                idx = sorted(counts)
+                for i, w in zip(
+                    idx, self._sequence_weights([sequences[i] for i in idx], [counts[i] for i in idx])
+                ):
+                    weights[i] = w
         else:
-            grad_norm, ok = self._clip_and_step()
-            metrics.update({"train/grad_norm": grad_norm, "train/skipped": 0.0 if ok else 1.0})
-            metrics["train/nonfinite_grad"] = 0.0 if ok else 1.0
-        g = {k: torch.cat(v) if v else torch.zeros(0) for k, v in gathered.items()}
-        metrics.update(_mismatch_metrics(g["cur"], g["roll"], g["w"]))
+            for micros in plan:
+                idx = [i for mb in micros for i in mb.index]
+                for i, w in zip(idx, self._sequence_weights([sequences[i] for i in idx])):
+                    weights[i] = w
+
+        upd: dict[str, list[Tensor]] = {k: [] for k in ("ppo_kl", "clipped", "ratio")}
+        metrics: dict[str, float] = {}
+        loss_total, grad_norms, n_ok = 0.0, [], 0
+        if not skip:
+            for epoch in range(self.ppo_epochs):
+                for micros in plan:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    for j, mb in enumerate(micros):
+                        routes = self._forward_routes(mb, decoupled)
+                        stats = ReplayStats()
+                        with (
+                            dist.no_sync_if_sharded(self.model, j == len(micros) - 1),
+                            self._routing(self.model, routes, None, stats),
+                        ):
+                            cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
+                            if decoupled:
+                                old, corr, ref = (
+                                    mb.cache["old_logp"],
+                                    corrections[id(mb)],
+                                    mb.cache.get("ref_logp"),
+                                )
+                            else:
+                                old, corr = cur.detach(), self._correction(cur.detach(), mb)
+                                ref = self._ref_logprobs(mb, routes) if self.ref_model is not None else None
+                                gather_old(mb, old, ent, corr, ref)
+                            terms = policy_terms(
+                                cur,
+                                old,
+                                mb.rollout_logp,
+                                mb.advantages,
+                                self.clip_low,
+                                self.clip_high,
+                                correction=corr,
+                                ref_logp=ref,
+                                kl_coef=self.kl_coef,
+                                entropy=ent,
+                                entropy_coef=self.entropy_coef,
+                            )
+                            w = torch.tensor([weights[i] for i in mb.index], device=self.device)
+                            kept = torch.where(
+                                terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss)
+                            )
+                            loss = (kept * w.unsqueeze(-1)).sum()
+                            loss.backward()  # inside the replay context: recomputation replays routes
+                        loss_total += float(loss.detach())
+                        update_sight.add(stats, mb)
+                        if not decoupled:
+                            first_sight.add(stats, mb)
+                        k = terms.keep
+                        upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
+                        upd["clipped"].append(terms.clipped[k].float())
+                        upd["ratio"].append(terms.ratio[k])
+                    grad_norm, ok = self._clip_and_step(policy=True)
+                    grad_norms.append(grad_norm)
+                    n_ok += int(ok)
+            metrics["train/loss"] = loss_total / n_updates
+            metrics["train/grad_norm"] = grad_norms[0]
+            metrics["train/grad_norm_max"] = max(grad_norms)
+            metrics["train/skipped"] = 0.0 if n_ok else 1.0
+            metrics["train/nonfinite_grad"] = float(n_updates - n_ok)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics.update({"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0})
+
+        cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in {**g, **upd}.items()}
+        metrics.update(mismatch_metrics(cat["old"], cat["roll"], cat["w"]))
+        total_tokens = sum(len(s.token_ids) for s in sequences)
         metrics.update(
             {
-                "train/clip_frac": _mean(g["clipped"]),
-                "train/ratio_mean": _mean(g["ratio"], default=1.0),
-                "train/is_truncated_frac": _mean(g["trunc"]),
-                "train/entropy": _mean(g["ent"]),
+                "train/ppo_kl": mean(cat["ppo_kl"]),
+                "train/clip_frac": mean(cat["clipped"]),
+                "train/ratio_mean": mean(cat["ratio"], default=1.0),
+                "train/is_truncated_frac": mean(cat["trunc"]),
+                "train/is_rejected_frac": 1.0 - mean(cat["kept"], default=1.0),
+                "train/entropy": mean(cat["ent"]),
                 "train/tokens": float(total_tokens),
                 "train/loss_tokens": float(n_loss),
                 "train/masked_frac": 1.0 - n_loss / total_tokens if total_tokens else 0.0,
                 "train/sequences": float(len(sequences)),
                 "train/rollouts": float(len({s.rollout_id for s in sequences})),
+                "train/updates": float(0 if skip else n_ok),
+                "train/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "train/step": float(self.step),
             }
         )
+        if self.ref_model is not None:
+            metrics["train/kl_ref"] = mean(cat["kl_ref"])
+        if self.routing_replay != "off":
+            # Differences: the first forward that replayed (sampler vs trainer under R3; for R2, the
+            # updated trainer vs its own old routes). Replayed fraction: tokens forced in updates.
+            diff = first_sight if first_sight.replayed else update_sight
+            metrics["train/routing_replayed_frac"] = update_sight.replayed_tokens_frac()
+            metrics["train/routing_diff_frac"] = diff.differing / diff.replayed if diff.replayed else 0.0
+            metrics["train/routing_token_diff_frac"] = (
+                diff.tokens_differing / diff.tokens if diff.tokens else 0.0
+            )
         return metrics
 
     def sft_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
@@ -218,13 +398,18 @@ class Trainer:
             return {"sft/loss": 0.0, "sft/grad_norm": 0.0, "sft/tokens": 0.0, "sft/skipped": 1.0}
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        for idx in self._micro_batches(sequences):
-            t = self._collate([sequences[i] for i in idx])
-            logp, _ = sequence_logprobs(self.model, t["input_ids"], t["attention_mask"], 1.0)
-            loss = -torch.where(t["mask"], logp, torch.zeros_like(logp)).sum() / n_loss
+        micros = micro_batches(sequences, list(range(len(sequences))), self.micro_batch_tokens)
+        for j, idx in enumerate(micros):
+            mb = collate(sequences, idx, self.pad_id, self.device)
+            with (
+                dist.no_sync_if_sharded(self.model, j == len(micros) - 1),
+                dist.autocast(self.device, self.autocast_dtype),
+            ):
+                logp, _ = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, 1.0)
+            loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
             loss.backward()
             loss_total += float(loss.detach())
-        grad_norm, ok = self._clip_and_step()
+        grad_norm, ok = self._clip_and_step(policy=False)
         return {
             "sft/loss": loss_total,
             "sft/grad_norm": grad_norm,
@@ -236,33 +421,84 @@ class Trainer:
     # ---- weights and checkpoints ------------------------------------------------------------
 
     def state_dict_for_engine(self) -> dict[str, Tensor]:
-        """Detached copies of the weights, safe to hand to an engine while training continues."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """Detached full copies of the weights, safe to hand to an engine while training continues."""
+        return dist.full_model_state_dict(self.model)
 
     def save(self, directory: str | Path) -> None:
-        """Model via save_pretrained (safetensors) + optimizer, step and RNG in trainer_state.pt."""
+        """Model via save_pretrained (safetensors, loads with AutoModelForCausalLM.from_pretrained),
+        optimizer, lr schedule, step counters and RNG states in trainer_state.pt, and the frozen
+        KL reference (when any) under reference/. Under FSDP every rank gathers, rank 0 writes."""
         d = Path(directory)
+        full = dist.full_model_state_dict(self.model) if dist.is_sharded(self.model) else None
+        optim = dist.full_optimizer_state_dict(self.model, self.optimizer)
+        if not dist.is_main_process():
+            return
         d.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(d)
+        if full is not None:
+            self.model.save_pretrained(d, state_dict=full)
+        else:
+            self.model.save_pretrained(d)
+        if self.ref_model is not None and hasattr(self.ref_model, "save_pretrained"):
+            self.ref_model.save_pretrained(d / REFERENCE_DIR)
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optim,
             "step": self.step,
+            "policy_updates": self.policy_updates,
+            "schedule": self.schedule.to_dict(),
+            "base_lr": self.base_lr,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
+            "numpy_rng": _numpy_rng_state(),
         }
         torch.save(state, d / STATE_FILE)
 
     def load(self, directory: str | Path) -> None:
         d = Path(directory)
         _load_safetensors_into(self.model, d)
-        state = torch.load(d / STATE_FILE, map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ref_model is not None and (d / REFERENCE_DIR).is_dir():
+            _load_safetensors_into(self.ref_model, d / REFERENCE_DIR)
+        state = torch.load(d / STATE_FILE, map_location="cpu", weights_only=True)
+        dist.load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.step = int(state["step"])
+        self.policy_updates = int(state.get("policy_updates", 0))
+        if "schedule" in state:
+            self.schedule = LRSchedule(**state["schedule"])
+            self.base_lr = float(state["base_lr"])
         torch.set_rng_state(state["torch_rng"].cpu())
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
         random.setstate(state["python_rng"])
+        if "numpy_rng" in state:
+            _set_numpy_rng_state(state["numpy_rng"])
+
+
+class _RouteAcc:
+    """Sums ReplayStats over forwards; token fractions are over real (non-padding) tokens."""
+
+    def __init__(self) -> None:
+        self.replayed = self.differing = self.tokens = self.tokens_differing = self.real_tokens = 0
+
+    def add(self, st: ReplayStats, mb: Micro) -> None:
+        self.replayed += st.replayed
+        self.differing += st.differing
+        self.tokens += st.tokens
+        self.tokens_differing += st.tokens_differing
+        self.real_tokens += int(mb.attention_mask.sum())
+
+    def replayed_tokens_frac(self) -> float:
+        return self.tokens / self.real_tokens if self.real_tokens else 0.0
+
+
+def _numpy_rng_state() -> tuple:
+    """numpy's global RNG state with the key array as a tensor (checkpoints load with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def _set_numpy_rng_state(state: tuple) -> None:
+    kind, keys, pos, has_gauss, cached = state
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def _load_safetensors_into(model: torch.nn.Module, directory: Path) -> None:
@@ -275,6 +511,9 @@ def _load_safetensors_into(model: torch.nn.Module, directory: Path) -> None:
     loaded: dict[str, Tensor] = {}
     for f in files:
         loaded.update(load_file(str(f)))
+    if dist.is_sharded(model):
+        dist.load_full_model_state_dict(model, loaded)
+        return
     result = model.load_state_dict(loaded, strict=False)
     own = model.state_dict()
     ptrs = {own[k].data_ptr() for k in loaded if k in own}
@@ -284,41 +523,3 @@ def _load_safetensors_into(model: torch.nn.Module, directory: Path) -> None:
             f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
-
-
-def _mean(x: Tensor, default: float = 0.0) -> float:
-    return float(x.float().mean()) if x.numel() else default
-
-
-def _mismatch_metrics(trainer_logp: Tensor, sampler_logp: Tensor, is_weight: Tensor) -> dict[str, float]:
-    """Sampler/trainer mismatch on loss tokens (LESSONS.md: Pearson >= 0.99, |dlogp| ~ 0.01-0.03 bf16)."""
-    n = trainer_logp.numel()
-    if n == 0:
-        return {
-            "train/logprob_pearson": 1.0,
-            "train/mismatch_k3_kl": 0.0,
-            "train/mismatch_abs_dlogp_mean": 0.0,
-            "train/mismatch_abs_dlogp_max": 0.0,
-            "train/is_weight_mean": 1.0,
-            "train/is_ess": 1.0,
-        }
-    t, s = trainer_logp.double(), sampler_logp.double()
-    r = t - s  # log(trainer / sampler) on sampler samples: k3 estimates KL(sampler || trainer)
-    k3 = torch.exp(r) - 1.0 - r
-    pt, ps = t.exp(), s.exp()
-    dt, ds = pt - pt.mean(), ps - ps.mean()
-    denom = math.sqrt(float((dt * dt).sum()) * float((ds * ds).sum()))
-    if denom > 0:
-        pearson = float((dt * ds).sum()) / denom
-    else:  # constant probabilities: perfectly matched only if identical
-        pearson = 1.0 if float((pt - ps).abs().max()) < 1e-9 else 0.0
-    w = is_weight.double()
-    ess = float(w.sum() ** 2 / (n * (w * w).sum())) if float((w * w).sum()) > 0 else 0.0
-    return {
-        "train/logprob_pearson": pearson,
-        "train/mismatch_k3_kl": float(k3.mean()),
-        "train/mismatch_abs_dlogp_mean": float(r.abs().mean()),
-        "train/mismatch_abs_dlogp_max": float(r.abs().max()),
-        "train/is_weight_mean": float(w.mean()),
-        "train/is_ess": ess,
-    }

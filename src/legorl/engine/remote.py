@@ -1,0 +1,588 @@
+"""Remote engines: vLLM (OpenAI-compatible ``/v1/completions``) and SGLang (native ``/generate``) servers.
+
+Both implement the Engine protocol over httpx: token ids in, token ids + logprobs (+ routed
+experts when the server returns them) out. Every response is validated on arrival (ids are
+integers in range, as many logprobs as ids, nothing empty, logprobs finite-or--inf and <= 0);
+vLLM's ``"token_id:N"`` token strings are parsed when ``token_ids`` is absent.
+
+Several servers: a rollout's calls stick to one server (its prefix cache holds the rollout's
+history); a rollout's first call goes to the least-loaded healthy server (ties broken by a hash
+of the rollout id). A server that fails (connection error, 5xx, timeout, invalid response) is
+marked down and the call is retried on another; down servers are probed again (``/health``)
+after ``recheck_s``. When no server can answer, the call fails with EngineError (the rollout
+outcome ``engine_error``). Bad requests (4xx) are not retried; a context-length 400 becomes
+ContextOverflowError.
+
+Weight sync: ``update_weights(state_dict)`` writes a safetensors checkpoint under
+``checkpoint_dir`` (shared disk), or ``update_weights_from_dir(path)`` uses one that the trainer
+wrote; new calls wait, in-flight calls finish, every server reloads (SGLang:
+``/update_weights_from_disk``; vLLM: dev-mode ``/collective_rpc`` ``reload_weights``), then
+``weight_version`` is bumped and stamped on every later result. A server that fails to reload
+is taken out of rotation (it still has the old weights) until a later reload succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from legorl.engine.base import ContextOverflowError, EngineError
+from legorl.records import GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+STICKY_MAX = 100_000  # rollout -> server entries kept
+
+
+class InvalidResponse(EngineError):
+    """A server answered something that is not a valid generation (retried on another server)."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class _Server:
+    url: str
+    inflight: int = 0
+    down_since: float | None = None  # None = healthy
+    stale: bool = False  # failed the latest weight reload: holds other weights
+    served: int = 0
+
+
+def validate_result(
+    ids: Any, logprobs: Any, finish: Any, vocab_size: int | None, where: str
+) -> tuple[list[int], list[float], str]:
+    """Check a server's answer; raises InvalidResponse naming the problem."""
+    if not isinstance(ids, list) or not ids:
+        raise InvalidResponse(f"{where}: no completion token ids in the response")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidResponse(f"{where}: completion ids are not all integers: {ids[:5]}")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidResponse(f"{where}: completion ids outside [0, {vocab_size})")
+    if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+        n = len(logprobs) if isinstance(logprobs, list) else "no"
+        raise InvalidResponse(f"{where}: {len(ids)} completion ids but {n} logprobs")
+    out_lp: list[float] = []
+    for lp in logprobs:
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or math.isnan(lp) or lp > 1e-4:
+            raise InvalidResponse(f"{where}: invalid logprob {lp!r} (must be a number <= 0)")
+        out_lp.append(float(lp))
+    if finish not in ("stop", "length"):
+        raise InvalidResponse(f"{where}: finish reason {finish!r} (expected stop or length)")
+    return ids, out_lp, finish
+
+
+def parse_token_id(token: Any, where: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` form: ``"token_id:123"`` -> 123."""
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:") :])
+        except ValueError:
+            pass
+    raise InvalidResponse(f"{where}: token {token!r} is not of the form 'token_id:N'")
+
+
+def _all_token_id_strings(tokens: Any) -> bool:
+    return (
+        isinstance(tokens, list)
+        and bool(tokens)
+        and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens)
+    )
+
+
+def _routes(value: Any, where: str) -> list[list[list[int]]] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(
+        isinstance(t, list)
+        and all(isinstance(layer, list) and all(isinstance(e, int) for e in layer) for layer in t)
+        for t in value
+    )
+    if not ok:
+        raise InvalidResponse(f"{where}: routed experts are not a [tokens][layers][top_k] integer list")
+    return value
+
+
+class RemoteEngine:
+    """Shared client machinery; subclasses speak one server API (see module docstring)."""
+
+    kind = "remote"
+
+    def __init__(
+        self,
+        urls: list[str] | str,
+        *,
+        model: str | None = None,
+        max_context: int | None = None,
+        vocab_size: int | None = None,
+        timeout_s: float = 600.0,
+        recheck_s: float = 5.0,
+        checkpoint_dir: str | Path | None = None,
+        base_model_dir: str | Path | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise EngineError(f"{type(self).__name__} needs at least one server URL")
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.model = model
+        self.vocab_size = vocab_size
+        self._max_context = max_context
+        self.recheck_s = recheck_s
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.base_model_dir = Path(base_model_dir) if base_model_dir is not None else None
+        self.weight_version = 0
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while weights are being updated
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        self._closed = False
+
+    # ---- protocol ----
+
+    def max_context(self) -> int:
+        return self._max_context if self._max_context is not None else 1 << 30
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, rollout_id: str = ""
+    ) -> GenerationResult:
+        if self._closed:
+            raise EngineError("engine is closed")
+        if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
+            raise EngineError("prompt must be a non-empty list of token ids (non-negative integers)")
+        if self.vocab_size is not None and max(prompt_ids) >= self.vocab_size:
+            raise EngineError(f"prompt has token ids outside [0, {self.vocab_size})")
+        if len(prompt_ids) + 1 > self.max_context():
+            raise ContextOverflowError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.max_context()} tokens"
+            )
+        if params.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        version = self.weight_version
+        try:
+            return await self._generate(prompt_ids, params, rollout_id, version)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, rollout_id: str, version: int
+    ) -> GenerationResult:
+        tried: set[int] = set()
+        errors: list[str] = []
+        while True:
+            server = await self._pick(rollout_id, tried)
+            if server is None:
+                raise EngineError(
+                    f"no {self.kind} server could serve the request ({len(self.servers)} configured): "
+                    + "; ".join(errors[-3:] or ["all servers are down"])
+                )
+            tried.add(id(server))
+            server.inflight += 1
+            try:
+                ids, lps, finish, routes = await self._call(server, prompt_ids, params)
+            except _Retryable as e:
+                errors.append(str(e))
+                self._mark_down(server, str(e))
+                continue
+            finally:
+                server.inflight -= 1
+            server.served += 1
+            if rollout_id:
+                self._stick(rollout_id, server)
+            return GenerationResult(ids, lps, finish, version, routed_experts=routes)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Write ``state_dict`` as a checkpoint under ``checkpoint_dir`` and have every server reload it."""
+        if self.checkpoint_dir is None:
+            raise EngineError(
+                f"{type(self).__name__}.update_weights needs checkpoint_dir (a directory the servers can read)"
+            )
+        path = self._checkpoint_path(self.weight_version + 1)
+        await asyncio.to_thread(self._write_checkpoint, state_dict, path)
+        return await self.update_weights_from_dir(path)
+
+    async def update_weights_from_dir(self, path: str | Path) -> int:
+        """Pause new calls, drain in-flight ones, reload ``path`` on every server, bump the version."""
+        async with self._update_lock:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                new_version = self.weight_version + 1
+                candidates = [s for s in self.servers if s.down_since is None or await self._probe(s)]
+                results = await asyncio.gather(
+                    *[self._reload(s, str(path), new_version) for s in candidates], return_exceptions=True
+                )
+                ok = 0
+                for server, result in zip(candidates, results, strict=True):
+                    if isinstance(result, BaseException):
+                        log.error("%s: weight reload failed: %s", server.url, result)
+                        server.stale = True
+                    else:
+                        server.stale = False
+                        ok += 1
+                for server in self.servers:
+                    if server not in candidates:
+                        server.stale = True  # down during the reload: it still has the old weights
+                if ok == 0:
+                    raise EngineError(f"weight reload of {path} failed on every {self.kind} server")
+                self.weight_version = new_version
+                self._sticky.clear()  # old prefix caches are gone anyway
+                return new_version
+            finally:
+                self._open.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._client.aclose()
+
+    # ---- routing and health ----
+
+    def _stick(self, rollout_id: str, server: _Server) -> None:
+        self._sticky[rollout_id] = server
+        self._sticky.move_to_end(rollout_id)
+        while len(self._sticky) > STICKY_MAX:
+            self._sticky.popitem(last=False)
+
+    def _usable(self, server: _Server) -> bool:
+        return server.down_since is None and not server.stale
+
+    async def _pick(self, rollout_id: str, tried: set[int]) -> _Server | None:
+        sticky = self._sticky.get(rollout_id) if rollout_id else None
+        if sticky is not None and id(sticky) not in tried and self._usable(sticky):
+            return sticky
+        for s in self.servers:  # down servers whose recheck time has come get a health probe
+            if (
+                s.down_since is not None
+                and not s.stale
+                and id(s) not in tried
+                and time.monotonic() - s.down_since >= self.recheck_s
+            ):
+                await self._probe(s)
+        healthy = [s for s in self.servers if self._usable(s) and id(s) not in tried]
+        if not healthy:
+            return None
+        h = int(hashlib.sha256(rollout_id.encode()).hexdigest()[:8], 16) if rollout_id else 0
+        n = len(self.servers)
+        return min(healthy, key=lambda s: (s.inflight, (self.servers.index(s) - h) % n))
+
+    def _mark_down(self, server: _Server, reason: str) -> None:
+        if server.down_since is None:
+            log.warning("%s server %s marked down: %s", self.kind, server.url, reason)
+        server.down_since = time.monotonic()
+
+    async def _probe(self, server: _Server) -> bool:
+        try:
+            r = await self._client.get(f"{server.url}/health", timeout=5.0)
+            healthy = r.status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        server.down_since = None if healthy else time.monotonic()
+        return healthy
+
+    async def health(self) -> dict[str, bool]:
+        """Probe every server now; returns url -> healthy (and updates the routing state)."""
+        results = await asyncio.gather(*[self._probe(s) for s in self.servers])
+        return {s.url: ok for s, ok in zip(self.servers, results, strict=True)}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "backend": self.kind,
+            "weight_version": self.weight_version,
+            "inflight": self._inflight,
+            "servers": [
+                {
+                    "url": s.url,
+                    "inflight": s.inflight,
+                    "served": s.served,
+                    "down": s.down_since is not None,
+                    "stale": s.stale,
+                }
+                for s in self.servers
+            ],
+        }
+
+    # ---- HTTP ----
+
+    async def _post(self, server: _Server, path: str, body: dict[str, Any]) -> Any:
+        where = f"{server.url}{path}"
+        try:
+            r = await self._client.post(where, json=body)
+        except httpx.HTTPError as e:  # connection refused/reset, timeout, protocol error
+            raise _Retryable(f"{where}: {type(e).__name__}: {e}") from e
+        if r.status_code >= 500 or r.status_code in (408, 429):
+            raise _Retryable(f"{where}: HTTP {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:
+            message = _error_message(r)
+            if "context" in message.lower() or "ContextOverflow" in r.text:
+                raise ContextOverflowError(f"{where}: {message}")
+            raise EngineError(f"{where}: HTTP {r.status_code}: {message}")
+        try:
+            return r.json()
+        except ValueError as e:
+            raise _Retryable(f"{where}: response is not JSON") from e
+
+    async def _call(
+        self, server: _Server, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], list[float], str, list[list[list[int]]] | None]:
+        path, body = self._request(prompt_ids, params)
+        data = await self._post(server, path, body)
+        try:
+            return self._parse(data, len(prompt_ids), f"{server.url}{path}")
+        except InvalidResponse as e:
+            raise _Retryable(str(e)) from e
+
+    def _checkpoint_path(self, version: int) -> Path:
+        """Where update_weights writes version ``version`` (a new directory per version by default)."""
+        assert self.checkpoint_dir is not None
+        return self.checkpoint_dir / f"v{version}"
+
+    def _write_checkpoint(self, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+        """A loadable model directory at ``path``: model.safetensors (+ config/tokenizer from base_model_dir)."""
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if self.base_model_dir is not None:
+            for f in self.base_model_dir.iterdir():
+                if f.is_file() and not _is_weight_file(f):
+                    shutil.copy2(f, tmp / f.name)
+        _save_safetensors(state_dict, tmp / "model.safetensors")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+
+    def _check_label(self, label: Any, where: str) -> None:
+        """A server that reports its weight version must serve the one this client last loaded
+        (a restarted server comes back with its start-up weights). Before any reload, any label goes."""
+        if label is not None and self.weight_version > 0 and str(label) != str(self.weight_version):
+            raise InvalidResponse(f"{where}: served weight version {label!r}, expected {self.weight_version}")
+
+    # ---- per-API parts ----
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _parse(
+        self, data: Any, prompt_len: int, where: str
+    ) -> tuple[list[int], list[float], str, list[list[list[int]]] | None]:
+        raise NotImplementedError
+
+    async def _reload(self, server: _Server, path: str, version: int) -> None:
+        raise NotImplementedError
+
+
+def _is_weight_file(f: Path) -> bool:
+    return f.name.endswith((".safetensors", ".bin", ".pt")) or f.name.endswith(".index.json")
+
+
+def _save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for k, v in state_dict.items():  # a tied LM head shares the embedding's storage: stored once
+        ptr = v.data_ptr()
+        if ptr in seen and k.endswith("lm_head.weight"):
+            continue
+        seen.add(ptr)
+        tensors[k] = v.detach().to("cpu").contiguous()
+    save_file(tensors, str(path))
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        data = r.json()
+    except ValueError:
+        return r.text[:300]
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    if isinstance(data, dict) and "message" in data:
+        return str(data["message"])
+    return r.text[:300]
+
+
+def _top_k(params: SamplingParams) -> int:
+    return int(getattr(params, "top_k", 0) or 0)
+
+
+class VLLMEngine(RemoteEngine):
+    """vLLM servers (``vllm serve MODEL --return-tokens-as-token-ids --logprobs-mode processed_logprobs``).
+
+    Weight reload uses vLLM's dev-mode ``POST /collective_rpc {"method": "reload_weights"}``
+    (``VLLM_SERVER_DEV_MODE=1``), which re-reads the directory the server was started from. So
+    ``checkpoint_dir`` must be that directory (serve a copy of the base checkpoint):
+    ``update_weights`` overwrites its safetensors in place; ``update_weights_from_dir`` expects the
+    trainer to have done so. See docs/engines.md.
+    """
+
+    kind = "vllm"
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": _top_k(params) or -1,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if self.model is None:
+            del body["model"]
+        if params.stop:
+            body["stop"] = params.stop
+        if params.stop_token_ids:
+            body["stop_token_ids"] = params.stop_token_ids
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return "/v1/completions", body
+
+    def _parse(
+        self, data: Any, prompt_len: int, where: str
+    ) -> tuple[list[int], list[float], str, list[list[list[int]]] | None]:
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise InvalidResponse(f"{where}: expected exactly one choice")
+        choice = choices[0]
+        lp = choice.get("logprobs")
+        if not isinstance(lp, dict):
+            raise InvalidResponse(f"{where}: no logprobs in the choice (the request asked for them)")
+        tokens = lp.get("tokens")
+        ids = choice.get("token_ids")
+        if ids is None:
+            if not isinstance(tokens, list):
+                raise InvalidResponse(f"{where}: neither token_ids nor logprobs.tokens in the choice")
+            ids = [parse_token_id(t, where) for t in tokens]
+        elif _all_token_id_strings(tokens) and [parse_token_id(t, where) for t in tokens] != ids:
+            raise InvalidResponse(f"{where}: token_ids and logprobs.tokens disagree")
+        ids, lps, finish = validate_result(
+            ids, lp.get("token_logprobs"), choice.get("finish_reason"), self.vocab_size, where
+        )
+        self._check_label(data.get("weight_version"), where)  # legorl serve's extension; vLLM has none
+        routes = None
+        gen_routes = _routes(choice.get("routed_experts"), where)
+        prompt_routes = _routes(data.get("prompt_routed_experts"), where)
+        if gen_routes is not None and prompt_routes is not None:
+            routes = prompt_routes + gen_routes
+            if len(routes) != prompt_len + len(ids):
+                raise InvalidResponse(
+                    f"{where}: routed experts cover {len(routes)} tokens, expected {prompt_len + len(ids)}"
+                )
+        return ids, lps, finish, routes
+
+    def _checkpoint_path(self, version: int) -> Path:
+        assert self.checkpoint_dir is not None
+        return self.checkpoint_dir  # vLLM reloads the directory it serves: written in place
+
+    def _write_checkpoint(self, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+        """Replace the weights of the served directory ``path`` (its config and tokenizer stay)."""
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / "model.safetensors.tmp"
+        _save_safetensors(state_dict, tmp)
+        for f in path.iterdir():
+            if f.is_file() and _is_weight_file(f):
+                f.unlink()
+        tmp.rename(path / "model.safetensors")
+
+    async def _reload(self, server: _Server, path: str, version: int) -> None:
+        # Stock vLLM: reload_weights() takes no path, it re-reads the served directory.
+        await self._post(server, "/collective_rpc", {"method": "reload_weights"})
+        try:
+            await self._client.post(f"{server.url}/reset_prefix_cache")
+        except httpx.HTTPError:
+            pass
+
+
+class SGLangEngine(RemoteEngine):
+    """SGLang servers (``python -m sglang.launch_server --model-path MODEL``), native ``/generate`` API.
+
+    Weight reload: ``POST /update_weights_from_disk {"model_path", "weight_version"}``; when a
+    response carries ``meta_info.weight_version`` it must equal the version this client expects.
+    """
+
+    kind = "sglang"
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
+        sp: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": _top_k(params) or -1,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if params.stop:
+            sp["stop"] = params.stop
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = params.stop_token_ids
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed
+        body = {
+            "input_ids": prompt_ids,
+            "sampling_params": sp,
+            "return_logprob": True,
+            "return_routed_experts": True,
+        }
+        return "/generate", body
+
+    def _parse(
+        self, data: Any, prompt_len: int, where: str
+    ) -> tuple[list[int], list[float], str, list[list[list[int]]] | None]:
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        if not isinstance(meta, dict):
+            raise InvalidResponse(f"{where}: no meta_info in the response")
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or not all(
+            isinstance(e, list | tuple) and len(e) >= 2 for e in entries
+        ):
+            raise InvalidResponse(
+                f"{where}: meta_info.output_token_logprobs is not a list of [logprob, id, ...]"
+            )
+        ids = [e[1] for e in entries]
+        output_ids = data.get("output_ids")
+        if output_ids is not None and output_ids != ids:
+            raise InvalidResponse(f"{where}: output_ids and output_token_logprobs disagree")
+        finish = meta.get("finish_reason")
+        finish_type = finish.get("type") if isinstance(finish, dict) else finish
+        ids, lps, finish_type = validate_result(
+            ids, [e[0] for e in entries], finish_type, self.vocab_size, where
+        )
+        self._check_label(meta.get("weight_version"), where)
+        routes = _routes(meta.get("routed_experts"), where)
+        if routes is not None and len(routes) != prompt_len + len(ids):
+            raise InvalidResponse(
+                f"{where}: routed experts cover {len(routes)} tokens, expected {prompt_len + len(ids)}"
+            )
+        return ids, lps, finish_type, routes
+
+    async def _reload(self, server: _Server, path: str, version: int) -> None:
+        data = await self._post(
+            server, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)}
+        )
+        if not (isinstance(data, dict) and data.get("success")):
+            raise EngineError(f"{server.url}: update_weights_from_disk failed: {data}")

@@ -1,0 +1,277 @@
+"""What each dashboard page shows, as JSON: chart specs, tables, alarms.
+
+A chart spec is `{"id", "title", "kind": "line" | "stacked", "x": [steps], "series": [{"name", "values"}]}`;
+the front end draws any spec, so every curve is defined here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any
+
+from legorl.monitor import alarms as alarm_mod
+from legorl.monitor.behaviour import aggregate, analyse_calls
+from legorl.monitor.config import INFRA_OUTCOMES, AlarmConfig
+from legorl.monitor.db import RunDB
+from legorl.records import Outcome
+
+OUTCOMES = [o.value for o in Outcome]
+log = logging.getLogger("legorl.alarms")
+
+
+def chart(cid: str, title: str, x: list[int], series: dict[str, list[float | None]], kind: str = "line",
+          **extra: Any) -> dict[str, Any]:
+    return {"id": cid, "title": title, "kind": kind, "x": x,
+            "series": [{"name": k, "values": v} for k, v in series.items() if any(y is not None for y in v)],
+            **extra}
+
+
+def _get(ms: list[dict[str, float]], key: str) -> list[float | None]:
+    out: list[float | None] = []
+    for m in ms:
+        v = m.get(key)
+        out.append(float(v) if isinstance(v, (int, float)) else None)
+    return out
+
+
+def _ratio(a: list[float | None], b: list[float | None], scale: float = 1.0) -> list[float | None]:
+    return [x / y * scale if x is not None and y else None for x, y in zip(a, b)]
+
+
+def _outcome_chart(db: RunDB, split: str | None, cid: str, title: str) -> dict[str, Any]:
+    counts = db.outcome_counts(split)
+    xs = sorted({s for s, _, _ in counts})
+    pos = {s: i for i, s in enumerate(xs)}
+    by: dict[str, list[float | None]] = {o: [0.0] * len(xs) for o in OUTCOMES}
+    for s, o, n in counts:
+        by.setdefault(o, [0.0] * len(xs))[pos[s]] = float(n)
+    return chart(cid, title, xs, {o: v for o, v in by.items() if any(v)}, kind="stacked", link="outcome",
+                 split=split)
+
+
+def _eval_series(db: RunDB, xs: list[int], train_pass: list[float | None]) -> dict[str, Any]:
+    """Train reward / pass rate per step, eval pass@1 per evaluation (steps may be -1 or past the end)."""
+    evals = db.eval_pass_rates()
+    all_x = sorted(set(xs) | {s for pts in evals.values() for s, _, _ in pts})
+    pos = {s: i for i, s in enumerate(all_x)}
+    series: dict[str, list[float | None]] = {}
+    for name, vals in (("train pass rate", train_pass),):
+        col: list[float | None] = [None] * len(all_x)
+        for s, v in zip(xs, vals):
+            col[pos[s]] = v
+        series[name] = col
+    for split, pts in evals.items():
+        col = [None] * len(all_x)
+        for s, v, _ in pts:
+            col[pos[s]] = v
+        series[f"eval {split} pass@1"] = col
+    return {"x": all_x, "series": series}
+
+
+def overview(db: RunDB) -> dict[str, Any]:
+    steps = db.steps()
+    xs = [s for s, _, _ in steps]
+    ms = [m for _, _, m in steps]
+    g = lambda k: _get(ms, k)
+    pass_rate = g("pass_rate")
+    ev = _eval_series(db, xs, pass_rate)
+    ev_series = dict(ev["series"])
+    rewards: dict[str, list[float | None]] = {"train reward (mean)": [None] * len(ev["x"])}
+    pos = {s: i for i, s in enumerate(ev["x"])}
+    for s, v in zip(xs, g("reward/mean")):
+        rewards["train reward (mean)"][pos[s]] = v
+    calls_per_step = [t * n if t is not None and n is not None else None
+                      for t, n in zip(g("rollouts/turns_mean"), g("rollouts/count"))]
+    sampled = [c * t if c is not None and t is not None else None
+               for c, t in zip(calls_per_step, g("rollouts/completion_tokens_mean"))]
+    other = [None if st is None else max(0.0, st - sum(v or 0.0 for v in parts))
+             for st, *parts in zip(g("time/step_s"), g("time/rollout_s"), g("time/train_s"), g("time/sync_s"),
+                                   g("time/grading_s"))]
+    charts = [
+        chart("reward", "Reward and pass rate (train, eval)", ev["x"], {**rewards, **ev_series}, ymin=0, ymax=1),
+        _outcome_chart(db, "train", "outcomes", "Outcomes per step (train rollouts; click a bar for its rollouts)"),
+        chart("mismatch", "Sampler/trainer agreement: logprob Pearson, IS ESS", xs,
+              {"logprob Pearson": g("train/logprob_pearson"), "IS ESS (normalised)": g("train/is_ess")}, ymax=1),
+        chart("kl", "Mismatch k3 KL (sampler vs trainer)", xs,
+              {"k3 KL": g("train/mismatch_k3_kl"), "mean |Δlogp|": g("train/mismatch_abs_dlogp_mean")}, ylog=True),
+        chart("lengths", "Lengths (tokens): response per call, episode per trained rollout", xs,
+              {"response": g("rollouts/completion_tokens_mean"),
+               "episode": _ratio(g("seq/tokens_unmerged"), g("train/rollouts"))}, ymin=0),
+        chart("turns", "Turns per rollout", xs, {"turns (calls) per rollout": g("rollouts/turns_mean"),
+                                                 "behaviour turns": g("behaviour/turns_per_rollout")}, ymin=0),
+        chart("tokens_per_s", "Throughput: sampled tokens / s (rollout phase)", xs,
+              {"tokens/s": _ratio(sampled, g("time/rollout_s"))}, ymin=0),
+        chart("rollouts_per_min", "Throughput: rollouts / min", xs,
+              {"rollouts/min": _ratio(g("rollouts/count"), g("time/step_s"), 60.0)}, ymin=0),
+        chart("time", "Step time split (s)", xs,
+              {"rollout": g("time/rollout_s"), "grading": g("time/grading_s"), "training": g("time/train_s"),
+               "weight sync": g("time/sync_s"), "other": other}, kind="stacked"),
+        chart("train", "Training: loss, grad norm, clip fraction", xs,
+              {"loss": g("train/loss"), "grad norm": g("train/grad_norm"), "clip frac": g("train/clip_frac")}),
+    ]
+    totals: dict[str, int] = {}
+    for r in db.query("SELECT outcome, COUNT(*) FROM rollouts GROUP BY outcome"):
+        totals[r[0] or "pending"] = int(r[1])
+    last = ms[-1] if ms else {}
+    return {
+        "run": {"dir": str(db.run_dir), "name": db.run_info()["name"], "steps": len(xs),
+                "last_step": xs[-1] if xs else None, "rollouts": sum(totals.values()), "outcomes": totals,
+                "calls": int(db.query("SELECT MAX(id) FROM llm_calls")[0][0] or 0),
+                "last": {k: last.get(k) for k in ("reward/mean", "pass_rate", "train/logprob_pearson",
+                                                  "train/mismatch_k3_kl", "time/step_s") if k in last}},
+        "charts": charts,
+        "recent_failures": db.recent_failures(8),
+    }
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def failures(db: RunDB, split: str | None = "train", infra: tuple[str, ...] = INFRA_OUTCOMES) -> dict[str, Any]:
+    stacked = _outcome_chart(db, split, "failures", "Outcome taxonomy per step")
+    shares = dict(stacked)
+    totals = [sum((s["values"][i] or 0.0) for s in stacked["series"]) for i in range(len(stacked["x"]))]
+    shares.update(id="failure_share", title="Outcome share per step", kind="stacked",
+                  series=[{"name": s["name"], "values": [v / t if t else None for v, t in zip(s["values"], totals)]}
+                          for s in stacked["series"]])
+    count_by: dict[str, int] = {}
+    for r in db.query("SELECT outcome, COUNT(*) FROM rollouts WHERE outcome IS NOT NULL"
+                      + (" AND split = ?" if split else "") + " GROUP BY outcome", (split,) if split else ()):
+        count_by[str(r[0])] = int(r[1])
+    total = sum(count_by.values())
+    reasons: dict[str, dict[str, list[int]]] = {}
+    for outcome, reason, n, last in db.failure_reasons():
+        key = _DIGITS.sub("N", reason)
+        agg = reasons.setdefault(outcome, {}).setdefault(key, [0, last])
+        agg[0] += n
+        agg[1] = max(agg[1], last)
+    table = []
+    for o in OUTCOMES:
+        if o == "resolved" or o not in count_by:
+            continue
+        top = sorted(reasons.get(o, {}).items(), key=lambda kv: -kv[1][0])[:5]
+        table.append({"outcome": o, "count": count_by[o], "share": count_by[o] / total if total else 0.0,
+                      "infra": o in infra,
+                      "reasons": [{"reason": k, "count": v[0], "last_step": v[1]} for k, v in top],
+                      "examples": db.failure_examples(o, 5)})
+    return {"charts": [stacked, shares], "table": table, "total": total,
+            "resolved": count_by.get("resolved", 0), "split": split}
+
+
+class BehaviourCache:
+    """Behaviour metrics per train step, from the pipeline's `behaviour/*` step metrics when it logged
+    them, else computed from captured calls (a deterministic sample of at most `per_step` rollouts per
+    step). Finished steps are computed once."""
+
+    def __init__(self, db: RunDB, per_step: int = 64, max_steps: int = 400):
+        self.db = db
+        self.sample = per_step
+        self.max_steps = max_steps
+        self._done: dict[int, dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def _compute(self, step: int) -> dict[str, float]:
+        ids = [str(r[0]) for r in self.db.query(
+            "SELECT id FROM rollouts WHERE split = 'train' AND step = ? AND outcome IS NOT NULL ORDER BY id",
+            (step,))]
+        n = len(ids)
+        if n > self.sample:
+            ids = [ids[i * n // self.sample] for i in range(self.sample)]
+        calls = self.db.light_calls(ids)
+        harness = self.db.harness_of(ids)
+        m = aggregate(analyse_calls(calls[i], harness.get(i, "")) for i in ids if calls[i])
+        if m:
+            m["behaviour/sampled_rollouts"] = float(len(ids))
+            m["behaviour/step_rollouts"] = float(n)
+        return m
+
+    def per_step(self) -> dict[int, dict[str, float]]:
+        logged = {s: {k: v for k, v in m.items() if k.startswith("behaviour/")} for s, _, m in self.db.steps()}
+        closed = set(logged)
+        steps = sorted({int(r[0]) for r in self.db.query(
+            "SELECT DISTINCT step FROM rollouts WHERE split = 'train' AND outcome IS NOT NULL")} | closed)
+        if len(steps) > self.max_steps:  # evenly spaced, always with the latest
+            k = len(steps)
+            steps = sorted({steps[i * (k - 1) // (self.max_steps - 1)] for i in range(self.max_steps)})
+        out: dict[int, dict[str, float]] = {}
+        with self._lock:
+            for s in steps:
+                if logged.get(s):
+                    out[s] = logged[s]
+                elif s in self._done:
+                    out[s] = self._done[s]
+                else:
+                    m = self._compute(s)
+                    if s in closed:
+                        self._done[s] = m
+                    out[s] = m
+        return {s: m for s, m in out.items() if m}
+
+
+def behaviour(cache: BehaviourCache) -> dict[str, Any]:
+    per = cache.per_step()
+    xs = sorted(per)
+    ms = [per[s] for s in xs]
+    g = lambda k: _get(ms, "behaviour/" + k)
+    mix = {k: g(f"mix/{k}") for k in ("read", "search", "edit", "test", "submit", "other")}
+    charts = [
+        chart("b_turns", "Turns per rollout", xs, {"turns": g("turns_per_rollout")}, ymin=0),
+        chart("b_tools", "Tool calls per turn", xs, {"tool calls / turn": g("tool_calls_per_turn")}, ymin=0),
+        chart("b_verify", "Verification after edit (edits later read or tested)", xs,
+              {"verified share of edits": g("verify_after_edit_rate"),
+               "rollouts that edit": g("edit_rollout_rate")}, ymin=0, ymax=1),
+        chart("b_text", "Text-only turns, format errors, truncated turns (share of turns)", xs,
+              {"text-only": g("text_only_turn_rate"), "format errors": g("format_error_rate"),
+               "truncated": g("truncated_turn_rate")}, ymin=0, ymax=1),
+        chart("b_submit", "Submit rate (rollouts that submitted / ended on their own)", xs,
+              {"submitted": g("submit_rate")}, ymin=0, ymax=1),
+        chart("b_mix", "Command mix (share of tool calls)", xs, mix, kind="stacked", ymax=1),
+    ]
+    sampled = sum(int(m.get("behaviour/sampled_rollouts", m.get("behaviour/rollouts", 0))) for m in ms)
+    return {"charts": charts, "steps": len(xs), "rollouts_analysed": sampled,
+            "latest": {k.removeprefix("behaviour/"): v for k, v in (ms[-1] if ms else {}).items()}}
+
+
+class AlarmBoard:
+    """Evaluates the alarms over the whole run for the dashboard and logs each new one once."""
+
+    def __init__(self, db: RunDB, cache: BehaviourCache, cfg: AlarmConfig | None = None):
+        self.db = db
+        self.cache = cache
+        self.cfg = cfg or AlarmConfig()
+        self._logged: set[tuple[str, int]] = set()
+        self._seen_any = False
+        self._lock = threading.Lock()
+
+    def series(self) -> alarm_mod.Series:
+        cfg = self.cfg
+        groups = self.db.cached(("groups",), self.db.group_stats)
+        need_tools = not any(cfg.tool_metric in m for _, _, m in self.db.steps())
+        behaviour = self.cache.per_step() if need_tools and cfg.tool_metric.startswith("behaviour/") else {}
+        s = alarm_mod.Series()
+        for step, _, m in self.db.steps():
+            values = alarm_mod.derived(m, cfg)
+            if step in groups and alarm_mod.ZERO_VARIANCE not in values:
+                n, zero = groups[step]
+                values[alarm_mod.ZERO_VARIANCE] = zero / n if n else None
+            if cfg.tool_metric not in values and step in behaviour:
+                values[cfg.tool_metric] = behaviour[step].get(cfg.tool_metric)
+            s.add(step, values)
+        return s
+
+    def alarms(self) -> dict[str, Any]:
+        s = self.series()
+        found = alarm_mod.evaluate(s, self.cfg)
+        last = s.steps[-1] if s.steps else None
+        with self._lock:
+            if not self._seen_any:  # on start, only what is firing now; the history is on the page
+                self._seen_any = True
+                self._logged.update((a.name, a.step) for a in found if a.step != last)
+            for a in found:
+                if (a.name, a.step) not in self._logged:
+                    self._logged.add((a.name, a.step))
+                    log.warning("ALARM %s at step %d: %s", a.name, a.step, a.message)
+        return {"alarms": [a.as_dict() for a in found], "active": [a.as_dict() for a in found if a.step == last],
+                "last_step": last, "config": self.cfg.model_dump()}

@@ -1,0 +1,247 @@
+"""The dashboard web app: FastAPI, server-rendered page shells, a small vanilla-JS front end.
+
+    app = create_app(run_dir)                                   # any ASGI server, or TestClient
+    url, stop = await serve_dashboard(run_dir)                  # inside the training driver's loop
+    ...
+    await stop()
+
+Everything it needs ships in this package (static/charts.js draws SVG charts): it
+works offline. It binds to loopback by default; binding any other address needs a
+token, checked on every request (`?token=` once, then a cookie).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import html
+import ipaddress
+import json
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Generator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from legorl.monitor import analytics
+from legorl.monitor.config import AlarmConfig
+from legorl.monitor.db import RolloutFilter, RunDB
+from legorl.monitor.trajectory import TokenDecoder, trajectory
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "legorl_dashboard_token"
+PAGES = [("overview", "/", "Overview"), ("rollouts", "/rollouts", "Rollouts"), ("failures", "/failures", "Failures"),
+         ("behaviour", "/behaviour", "Behaviour"), ("alarms", "/alarms", "Alarms")]
+
+
+class DashboardConfigError(ValueError):
+    """The dashboard cannot start as asked (e.g. a public address without a token)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None) -> None:
+    if not is_loopback(host) and not token:
+        raise DashboardConfigError(
+            f"refusing to serve the dashboard on {host}, which is not a loopback address, without a token: "
+            "pass --token (or monitor.token) and open the URL with ?token=..., or bind 127.0.0.1")
+
+
+def alarm_config_for(run_dir: Path) -> AlarmConfig:
+    """The run's `monitor.alarms` settings from RUN_DIR/config.json, else the defaults."""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+        return AlarmConfig.model_validate(cfg.get("monitor", {}).get("alarms", {}))
+    except (OSError, ValueError, AttributeError):
+        return AlarmConfig()
+
+
+def _page(page: str, title: str, run_name: str, data: dict[str, str] | None = None) -> HTMLResponse:
+    nav = "".join(f'<a href="{href}" class="{"active" if key == page else ""}" data-nav="{key}">{label}'
+                  + ('<span id="alarm-count" class="badge" hidden></span>' if key == "alarms" else "") + "</a>"
+                  for key, href, label in PAGES)
+    attrs = " ".join(f'data-{k}="{html.escape(v, quote=True)}"' for k, v in (data or {}).items())
+    body = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(title)} · legorl · {html.escape(run_name)}</title>
+<link rel="icon" href="data:,"><link rel="stylesheet" href="/static/style.css"></head>
+<body data-page="{page}" {attrs}>
+<header><a class="brand" href="/">legorl</a><span class="run">{html.escape(run_name)}</span><nav>{nav}</nav>
+<span id="live" class="live" title="refreshes every few seconds">●</span></header>
+<div id="alarm-banner" class="alarm-banner" hidden></div>
+<main id="app"><p class="muted">loading…</p></main>
+<div id="tip" class="tip" hidden></div>
+<script src="/static/charts.js"></script><script src="/static/app.js"></script>
+</body></html>"""
+    return HTMLResponse(body)
+
+
+def _num(v: str | None, kind: type = int) -> Any:
+    if v is None or v == "":
+        return None
+    try:
+        return kind(v)
+    except ValueError:
+        raise HTTPException(400, f"not a number: {v!r}") from None
+
+
+def create_app(run_dir: str | Path, token: str | None = None, alarm_config: AlarmConfig | None = None) -> FastAPI:
+    """The dashboard for one run directory (its store may still be being written)."""
+    run_dir = Path(run_dir).resolve()
+    db = RunDB(run_dir)
+    decoder = TokenDecoder(run_dir / "tokenizer")
+    cache = analytics.BehaviourCache(db)
+    board = analytics.AlarmBoard(db, cache, alarm_config or alarm_config_for(run_dir))
+    run_name = db.run_info()["name"] or run_dir.name
+    threading.Thread(target=lambda: decoder.tokenizer, name="legorl-dashboard-tokenizer", daemon=True).start()
+    app = FastAPI(title="legorl dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.db, app.state.token = db, token
+
+    if token:
+        @app.middleware("http")
+        async def check_token(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return PlainTextResponse("401: this dashboard needs its token: open it with ?token=...", 401)
+            response = await call_next(request)
+            if request.query_params.get("token"):
+                response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            return response
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", response_class=HTMLResponse)
+    def overview_page() -> HTMLResponse:
+        return _page("overview", "Overview", run_name)
+
+    @app.get("/rollouts", response_class=HTMLResponse)
+    def rollouts_page() -> HTMLResponse:
+        return _page("rollouts", "Rollouts", run_name)
+
+    @app.get("/rollout/{rollout_id}", response_class=HTMLResponse)
+    def rollout_page(rollout_id: str) -> HTMLResponse:
+        return _page("trajectory", rollout_id, run_name, {"rollout": rollout_id})
+
+    @app.get("/failures", response_class=HTMLResponse)
+    def failures_page() -> HTMLResponse:
+        return _page("failures", "Failures", run_name)
+
+    @app.get("/behaviour", response_class=HTMLResponse)
+    def behaviour_page() -> HTMLResponse:
+        return _page("behaviour", "Behaviour", run_name)
+
+    @app.get("/alarms", response_class=HTMLResponse)
+    def alarms_page() -> HTMLResponse:
+        return _page("alarms", "Alarms", run_name)
+
+    # ---- JSON API (sync handlers: FastAPI runs them in worker threads, off the event loop) -------------
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "run_dir": str(run_dir)}
+
+    @app.get("/api/overview")
+    def api_overview() -> JSONResponse:
+        return JSONResponse(db.cached(("overview",), lambda: analytics.overview(db)))
+
+    @app.get("/api/rollouts")
+    def api_rollouts(step: str | None = None, step_min: str | None = None, step_max: str | None = None,
+                     task: str | None = None, harness: str | None = None, outcome: str | None = None,
+                     split: str | None = None, reward_min: str | None = None, reward_max: str | None = None,
+                     masked: str | None = None, sort: str = "step", order: str = "desc", page: int = 1,
+                     per_page: int = 50) -> JSONResponse:
+        f = RolloutFilter(step=_num(step), step_min=_num(step_min), step_max=_num(step_max), task=task or None,
+                          harness=harness or None, outcome=outcome or None, split=split or None,
+                          reward_min=_num(reward_min, float), reward_max=_num(reward_max, float),
+                          masked={"1": True, "true": True, "0": False, "false": False}.get(masked or ""))
+        p = db.rollouts_page(f, sort=sort, desc=order != "asc", page=page, per_page=per_page)
+        return JSONResponse({"rows": p.rows, "total": p.total, "page": p.page, "per_page": p.per_page,
+                             "facets": p.facets})
+
+    @app.get("/api/rollout/{rollout_id}")
+    def api_rollout(rollout_id: str) -> JSONResponse:
+        t = trajectory(db, rollout_id, decoder)
+        if t is None:
+            raise HTTPException(404, f"no rollout {rollout_id!r} in this run")
+        return JSONResponse(t)
+
+    @app.get("/api/failures")
+    def api_failures(split: str = "train") -> JSONResponse:
+        s = None if split in ("", "all") else split
+        infra = tuple(board.cfg.infra_outcomes)
+        return JSONResponse(db.cached(("failures", s), lambda: analytics.failures(db, s, infra)))
+
+    @app.get("/api/behaviour")
+    def api_behaviour() -> JSONResponse:
+        return JSONResponse(db.cached(("behaviour",), lambda: analytics.behaviour(cache)))
+
+    @app.get("/api/alarms")
+    def api_alarms() -> JSONResponse:
+        return JSONResponse(db.cached(("alarms",), board.alarms))
+
+    return app
+
+
+class _QuietServer:
+    """uvicorn.Server without its signal handlers: the training driver keeps Ctrl-C."""
+
+    @staticmethod
+    def make(config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                yield
+
+        return Server(config)
+
+
+async def serve_dashboard(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                          alarm_config: AlarmConfig | None = None) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """Serve the dashboard on the running event loop. Returns (url, stop); `await stop()` shuts it down.
+
+    Binding a non-loopback host without a token raises DashboardConfigError. The URL carries the token.
+    """
+    import uvicorn
+
+    check_bind(host, token)
+    app = create_app(run_dir, token=token, alarm_config=alarm_config)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(128)
+    sock.setblocking(False)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+    server = _QuietServer.make(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="legorl-dashboard")
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()  # raises what stopped it
+            raise RuntimeError("the dashboard server stopped during start-up")
+        await asyncio.sleep(0.01)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    shown = f"[{shown}]" if ":" in shown and not shown.startswith("[") else shown
+    url = f"http://{shown}:{bound_port}/" + (f"?token={token}" if token else "")
+
+    async def stop() -> None:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, timeout=5)
+        sock.close()
+
+    return url, stop

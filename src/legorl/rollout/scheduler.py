@@ -1,0 +1,132 @@
+"""Scheduling groups of rollouts: concurrency limits, bounded retries, over-sampling, refills.
+
+- A rollout whose outcome's policy is `retry` (infrastructure failures by default) runs
+  again, up to `max_retries` times with doubling backoff; the failed attempts stay in the
+  store, masked.
+- A training step starts `want + oversample` groups and proceeds as soon as `want` are
+  complete; the stragglers are cancelled (they clean up and are recorded as cancelled),
+  so one slow rollout never blocks a step.
+- A complete group whose rewards are all equal carries no signal: it is replaced by a new
+  task's group, up to `refills` times per step, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from legorl.records import Rollout
+from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.tasks import Task
+
+
+@dataclass
+class GroupStats:
+    started: int = 0
+    kept: int = 0
+    zero_variance: int = 0
+    refilled: int = 0
+    cancelled: int = 0
+    retries: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"groups/started": float(self.started), "groups/kept": float(self.kept),
+                "groups/zero_variance": float(self.zero_variance), "groups/refilled": float(self.refilled),
+                "groups/cancelled": float(self.cancelled), "rollouts/retries": float(self.retries)}
+
+
+def zero_variance(group: list[Rollout]) -> bool:
+    rewards = [r.reward for r in group if r.reward is not None]
+    return len(set(rewards)) <= 1
+
+
+class GroupRunner:
+    def __init__(self, ctx: EpisodeContext, *, concurrency: int, max_retries: int = 2, backoff: float = 1.0):
+        self.ctx = ctx
+        self.sem = asyncio.Semaphore(concurrency)
+        self.max_retries = max_retries
+        self.backoff = backoff
+
+    async def _one(self, task: Task, step: int, sample: int, split: str, stats: GroupStats) -> Rollout:
+        attempt = 0
+        while True:
+            async with self.sem:
+                r = await run_episode(self.ctx, task, step=step, group_id=f"{step}:{split}:{task.instance_id}",
+                                      sample_index=sample, split=split)
+            if self.ctx.policies.get(r.outcome) != "retry" or attempt >= self.max_retries:
+                return r
+            attempt += 1
+            stats.retries += 1
+            await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+
+    async def group(self, task: Task, step: int, samples: int, split: str, stats: GroupStats,
+                    on_rollout: Callable[[Rollout], None] | None = None) -> list[Rollout]:
+        async def one(i: int) -> Rollout:
+            r = await self._one(task, step, i, split, stats)
+            if on_rollout is not None:
+                on_rollout(r)
+            return r
+
+        # return_exceptions: one rollout's bug must never abort its group or the step
+        results = await asyncio.gather(*(one(i) for i in range(samples)), return_exceptions=True)
+        out = []
+        for r in results:
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+            if isinstance(r, BaseException):
+                stats.errors.append(f"{task.instance_id}: {type(r).__name__}: {r}")
+            else:
+                out.append(r)
+        return out
+
+    async def all_groups(self, tasks: list[Task], step: int, samples: int, split: str,
+                         on_rollout: Callable[[Rollout], None] | None = None) -> tuple[list[list[Rollout]],
+                                                                                        GroupStats]:
+        """Every group to completion (evaluation, demonstrations)."""
+        stats = GroupStats(started=len(tasks))
+        groups = await asyncio.gather(*(self.group(t, step, samples, split, stats, on_rollout) for t in tasks))
+        stats.kept = len(groups)
+        return list(groups), stats
+
+    async def train_groups(self, pool: list[Task], want: int, step: int, samples: int, *, oversample: int = 0,
+                           refills: int = 0, on_rollout: Callable[[Rollout], None] | None = None
+                           ) -> tuple[list[list[Rollout]], GroupStats]:
+        """`want` complete groups from the task pool, over-sampling and refilling as configured."""
+        stats = GroupStats()
+        queue = list(pool)
+        running: dict[asyncio.Task, Task] = {}
+
+        def start_next() -> bool:
+            if not queue:
+                return False
+            task = queue.pop(0)
+            running[asyncio.create_task(self.group(task, step, samples, "train", stats, on_rollout))] = task
+            stats.started += 1
+            return True
+
+        for _ in range(want + oversample):
+            start_next()
+        kept: list[list[Rollout]] = []
+        try:
+            while running and len(kept) < want:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    running.pop(t)
+                    group = t.result()
+                    if len(kept) >= want:
+                        continue
+                    if zero_variance(group):
+                        stats.zero_variance += 1
+                        if stats.refilled < refills and start_next():
+                            stats.refilled += 1
+                            continue
+                    kept.append(group)
+        finally:
+            for t in running:  # stragglers: cancelled, they clean up and record themselves
+                t.cancel()
+            stats.cancelled = len(running)
+            await asyncio.gather(*running, return_exceptions=True)
+        stats.kept = len(kept)
+        return kept, stats

@@ -1,0 +1,126 @@
+"""Host-side watchdog: kills a sandbox that outgrows its memory, workspace or lifetime.
+
+One daemon thread per host process watches every live sandbox (it cannot be killed from
+inside a sandbox, unlike anything running there). Each tick it reads /proc once, sums the
+anonymous memory of each sandbox's process tree, checks lifetimes, and walks workspaces on
+an adaptive schedule (a big repo is walked less often). A sandbox over a limit is killed
+whole and its ``violation`` says why; the next request to it raises SandboxError with that
+reason.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legorl.sandbox.procs import anon_kib, children_map, kill_tree, process_tree
+
+TICK_S = 0.25
+MIN_WALK_INTERVAL_S = 0.5
+
+
+def disk_usage(root: Path, stop_after: int | None = None) -> int:
+    """Bytes allocated under root (st_blocks, hard links counted once); stops early past stop_after."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    stack = [str(root)]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+        if stop_after is not None and total > stop_after:
+            break
+    return total
+
+
+@dataclass(eq=False)
+class Watch:
+    pid: int
+    label: str
+    workspace: Path | None = None
+    memory_bytes: int | None = None
+    workspace_bytes: int | None = None
+    deadline: float | None = None  # time.monotonic() value
+    violation: str = ""
+    peak_memory_bytes: int = 0
+    workspace_used_bytes: int = 0
+    _next_walk: float = field(default=0.0, repr=False)
+
+    def kill(self, reason: str) -> None:
+        if not self.violation:
+            self.violation = reason
+        kill_tree(self.pid)
+
+
+class Watchdog:
+    def __init__(self, tick: float = TICK_S) -> None:
+        self.tick = tick
+        self._watches: set[Watch] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, watch: Watch) -> Watch:
+        with self._lock:
+            self._watches.add(watch)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="legorl-sandbox-watchdog", daemon=True)
+                self._thread.start()
+        return watch
+
+    def remove(self, watch: Watch) -> None:
+        with self._lock:
+            self._watches.discard(watch)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.tick)
+            with self._lock:
+                watches = list(self._watches)
+            if watches:
+                try:
+                    self.check(watches)
+                except Exception:  # noqa: BLE001 - the watchdog must outlive any one bad tick
+                    pass
+
+    def check(self, watches: list[Watch]) -> None:
+        now = time.monotonic()
+        children = children_map() if any(w.memory_bytes for w in watches) else {}
+        for w in watches:
+            if w.violation:
+                continue
+            if w.deadline is not None and now > w.deadline:
+                w.kill("sandbox lifetime exceeded")
+                continue
+            if w.memory_bytes:
+                used = 1024 * sum(anon_kib(p) for p in process_tree(w.pid, children))
+                w.peak_memory_bytes = max(w.peak_memory_bytes, used)
+                if used > w.memory_bytes:
+                    w.kill(f"memory limit exceeded: {used >> 20} MiB > {w.memory_bytes >> 20} MiB")
+                    continue
+            if w.workspace_bytes and w.workspace is not None and now >= w._next_walk:
+                t = time.monotonic()
+                used = disk_usage(w.workspace, stop_after=w.workspace_bytes)
+                w.workspace_used_bytes = used
+                w._next_walk = time.monotonic() + max(MIN_WALK_INTERVAL_S, 20 * (time.monotonic() - t))
+                if used > w.workspace_bytes:
+                    w.kill(f"workspace size limit exceeded: {used >> 20} MiB > {w.workspace_bytes >> 20} MiB")
+
+
+WATCHDOG = Watchdog()

@@ -1,0 +1,234 @@
+"""The dashboard in a real browser (Debian's Chromium through Playwright) on a real run made here.
+
+The run is a real `legorl train` at toy size: teacher demonstrations through mini-swe-agent (tool calls,
+edits, tests, submits), SFT, then two RL steps whose untrained rollouts fail. While it trains, the
+dashboard reads the store live; then every page is opened, clicked through and checked. Screenshots go
+to test-artifacts/dashboard/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "test-artifacts" / "dashboard"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                       reason="playwright is not installed (pip install -e '.[dev]', or make setup-test)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} missing (apt-get install -y chromium)"),
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="the real run needs bubblewrap (apt-get install bubblewrap)"),
+]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fastapi.testclient import TestClient
+
+    from legorl.monitor.server import create_app
+
+    run = tmp_path_factory.mktemp("dashboard") / "run"
+    exe = Path(sys.executable).with_name("legorl")
+    cmd = [str(exe), "train", "--config", str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run),
+           "run.steps=2", "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "harness.step_limit=5",
+           "rollout.tasks_per_step=2", "rollout.group_size=2", "run.checkpoint_every=0"]
+    log = open(run.parent / "train.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    live_checks = 0
+    deadline = time.time() + 600
+    try:
+        client = None
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(1.0)
+            if client is None and (run / "store.sqlite").exists():
+                client = TestClient(create_app(run))
+            if client is not None:  # the dashboard reads while the trainer writes
+                assert client.get("/api/overview").status_code == 200
+                assert client.get("/api/rollouts").status_code == 200
+                live_checks += 1
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"the run did not finish in time; see {run.parent / 'train.log'}")
+    finally:
+        log.close()
+    assert proc.returncode == 0, (run.parent / "train.log").read_text()[-3000:]
+    assert live_checks > 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def base_url(real_run: Path) -> Iterator[str]:
+    from legorl.monitor.server import serve_dashboard
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(real_run), loop).result(60)
+    yield url.rstrip("/")
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.set_default_timeout(30_000)
+    yield pg
+    pg.close()
+    assert errors == [], f"JavaScript errors: {errors}"
+
+
+def shot(pg: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    pg.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_overview(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/")
+    page.wait_for_selector("#chart-reward svg")
+    for cid in ("reward", "outcomes", "mismatch", "kl", "lengths", "turns", "tokens_per_s", "rollouts_per_min",
+                "time", "train"):
+        assert page.locator(f"#chart-{cid}").count() == 1, cid
+    assert page.locator("#chart-outcomes rect.bar").count() >= 2  # two RL steps
+    assert page.locator("#chart-mismatch path.line").count() >= 1
+    stats = page.locator(".stats").inner_text()
+    assert "rollouts" in stats and "model calls" in stats
+    page.hover("#chart-mismatch svg", position={"x": 200, "y": 100})
+    assert "step" in page.locator("#tip").inner_text()
+    shot(page, "overview")
+
+
+def test_overview_to_a_failed_trajectory(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/")
+    link = page.wait_for_selector("#recent-failures a.rollout-link")
+    rid = link.inner_text()
+    link.click()
+    page.wait_for_url("**/rollout/**")
+    page.wait_for_selector(".call")
+    assert rid in page.locator("h1").inner_text()
+    outcome = page.locator("#rollout-head .pill").first.inner_text()
+    assert outcome not in ("resolved", "pending")
+    assert page.locator("#outcome").inner_text().strip()
+    assert page.locator("#grader-report #tests tr").count() >= 2 or "not graded" in page.content()
+    assert page.locator(".tokens .tok").count() > 0
+    page.hover(".tokens .tok >> nth=0")
+    tip = page.locator("#tip").inner_text()
+    assert "logprob" in tip and "id" in tip
+    shot(page, "trajectory_failed")
+
+
+def test_outcome_bar_opens_the_filtered_table(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/")
+    bar = page.wait_for_selector("#chart-outcomes rect.bar")
+    step, outcome = bar.get_attribute("data-step"), bar.get_attribute("data-series")
+    bar.click()
+    page.wait_for_url("**/rollouts?**")
+    page.wait_for_selector("#rollouts-table tr[data-id]")
+    rows = page.locator("#rollouts-table tr[data-id]")
+    assert rows.count() >= 1
+    for i in range(rows.count()):
+        cells = rows.nth(i).locator("td")
+        assert cells.nth(0).inner_text() == step
+        assert cells.nth(6).inner_text() == outcome
+
+
+def test_rollouts_table_filters_sorts_and_pages(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/rollouts")
+    page.wait_for_selector("#rollouts-table tr[data-id]")
+    total = int(page.locator("#page-info").first.inner_text().split("·")[1].split()[0])
+    assert total >= 10  # 2 demos + 2 steps x 4 rollouts
+    page.select_option("select[name=split]", "demo")
+    page.click("#filters button.primary")
+    page.wait_for_function("document.querySelector('#page-info').textContent.includes('2 rollouts')")
+    splits = page.locator("#rollouts-table tr[data-id] td:nth-child(6)").all_inner_texts()
+    assert splits == ["demo", "demo"]
+    page.click("#filters #clear")
+    page.wait_for_function(f"document.querySelector('#page-info').textContent.includes('{total} rollouts')")
+    page.click("th[data-sort=reward]")
+    page.wait_for_selector("th.sorted[data-sort=reward]")
+    page.goto(base_url + "/rollouts?per_page=3")
+    page.wait_for_selector("#rollouts-table tr[data-id]")
+    first = page.locator("#rollouts-table tr[data-id]").first.get_attribute("data-id")
+    page.click("#pager button[data-go=next]")
+    page.wait_for_function("document.querySelector('#page-info').textContent.startsWith('page 2')")
+    assert page.locator("#rollouts-table tr[data-id]").first.get_attribute("data-id") != first
+    page.goto(base_url + "/rollouts")
+    page.wait_for_selector("#rollouts-table tr[data-id]")
+    shot(page, "rollouts")
+
+
+def test_demonstration_trajectory_shows_tools_results_and_report(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/rollouts?split=demo&outcome=resolved")
+    page.wait_for_selector("#rollouts-table tr[data-id] a.rollout-link")
+    page.click("#rollouts-table tr[data-id] a.rollout-link >> nth=0")
+    page.wait_for_selector(".call")
+    assert page.locator("#rollout-head .pill").first.inner_text() == "resolved"
+    kinds = page.locator(".toolcall .pill").all_inner_texts()
+    assert {"search", "read", "edit", "test"} <= set(kinds), kinds
+    assert page.locator(".result").count() >= 3
+    assert "python -m pytest" in page.locator(".toolcall >> nth=3").inner_text()
+    assert "full prompt (segment start)" in page.locator("#call-0").inner_text().lower()
+    assert "+" in page.locator("#final-diff").inner_text()
+    statuses = page.locator("#tests td:nth-child(2)").all_inner_texts()
+    assert statuses and set(statuses) == {"passed"}
+    head = page.locator("#rollout-head").inner_text()
+    assert "1 edit(s), 1 verified" in head and "submitted: yes" in head
+    shot(page, "trajectory")
+
+
+def test_failures_page_links_to_examples(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/failures")
+    page.wait_for_selector("#taxonomy-table tr[data-outcome]")
+    assert page.locator("#chart-failures rect.bar").count() >= 1
+    shot(page, "failures")
+    page.click("#taxonomy-table a.rollout-link >> nth=0")
+    page.wait_for_url("**/rollout/**")
+    page.wait_for_selector(".call")
+    assert page.locator("#rollout-head .pill").first.inner_text() != "resolved"
+
+
+def test_behaviour_page(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/behaviour")
+    page.wait_for_selector("#chart-b_verify")
+    page.wait_for_function("document.querySelector('#bnote').textContent.length > 0")
+    assert "2 train steps" in page.locator("#bnote").inner_text()
+    for cid in ("b_turns", "b_tools", "b_verify", "b_text", "b_submit", "b_mix"):
+        assert page.locator(f"#chart-{cid}").count() == 1
+    assert page.locator("#chart-b_text path.line").count() >= 1
+    shot(page, "behaviour")
+
+
+def test_alarms_page(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/alarms")
+    page.wait_for_selector("#thresholds:not(:empty)")
+    assert "kl_rise_factor" in page.locator("#thresholds").inner_text()
+    assert page.locator("#active .card").count() >= 1
+    shot(page, "alarms")
