@@ -37,10 +37,10 @@ QUERIES = {
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def measure(client, app_db, path: str, reps: int, cold: bool) -> list[float]:  # noqa: ANN001 - bench script
+def measure(client, app_db, path: str, reps: int, cold: bool) -> list[float]:
     out = []
     for _ in range(reps):
         if cold:
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--calls-per-rollout", type=int, default=10, help="mean (each rollout has 1..2*mean-1)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--dir", type=Path, default=None, help="where to build the store (default: a temp dir)")
+    ap.add_argument("--reuse", action="store_true", help="measure the store already in --dir")
     ap.add_argument("--update-benchmarks", action="store_true", help="rewrite the '## Dashboard' section")
     args = ap.parse_args()
 
@@ -73,7 +74,15 @@ def main() -> None:
                          group_size=4, calls_per_rollout=args.calls_per_rollout, tasks=2000, eval_every=0,
                          full_history=False)
     t0 = time.perf_counter()
-    counts = build_synthetic_store(run / "store.sqlite", spec)
+    if (run / "store.sqlite").exists() and args.reuse:
+        import sqlite3
+
+        with sqlite3.connect(run / "store.sqlite") as c:
+            counts = {"rollouts": c.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0],
+                      "calls": c.execute("SELECT MAX(id) FROM llm_calls").fetchone()[0],
+                      "steps": c.execute("SELECT COUNT(*) FROM steps").fetchone()[0]}
+    else:
+        counts = build_synthetic_store(run / "store.sqlite", spec)
     build_s = time.perf_counter() - t0
     size_mb = (run / "store.sqlite").stat().st_size / 2**20
     print(f"store: {counts['rollouts']:,} rollouts, {counts['calls']:,} calls, {counts['steps']} steps, "
@@ -102,19 +111,19 @@ def main() -> None:
         write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst)
 
 
-def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst) -> None:  # noqa: ANN001
+def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst) -> None:
     cpu = platform.processor() or platform.machine()
     lines = [
         "## Dashboard",
         "",
-        "Server time of the dashboard's JSON endpoints on a synthetic store with the real schema "
+        ("Server time of the dashboard's JSON endpoints on a synthetic store with the real schema "
         f"({counts['rollouts']:,} rollouts, {counts['calls']:,} LLM calls, {counts['steps']} steps, "
         f"{size_mb:.0f} MiB; built with executemany in {build_s:.0f} s, the dashboard's indexes added in "
         f"{index_s:.1f} s on first open). Each request runs the whole ASGI app in-process (FastAPI TestClient): "
         "routing, handler, SQLite, JSON. *cold* clears the app's result cache before every request (a live run "
         "commits between polls); *warm* repeats on an unchanged store. "
         f"{args.reps} requests each. Target: under {TARGET_MS:.0f} ms per endpoint: **{verdict}** "
-        f"(worst cold p99 {worst:.0f} ms).",
+        f"(worst cold p99 {worst:.0f} ms)."),
         "",
         "| endpoint | cold p50 (ms) | cold p99 (ms) | warm p50 (ms) | cold p50 / floor |",
         "|---|---:|---:|---:|---:|",
@@ -124,12 +133,12 @@ def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, w
     lines += [
         f"| floor: `/api/health` (framework overhead) | {f50:.1f} | | | 1.0x |",
         "",
-        f"Machine: {platform.system()} {cpu}, Python {platform.python_version()}, 2 cores shared with other "
-        "jobs running at the same time (figures are noisy; ratios to the floor are the stable part).",
+        (f"Machine: {platform.system()} {cpu}, Python {platform.python_version()}, 2 cores shared with other "
+        "jobs running at the same time (figures are noisy; ratios to the floor are the stable part)."),
         "",
-        "Reproduce: `.venv/bin/python bench/dashboard.py --update-benchmarks` "
+        ("Reproduce: `.venv/bin/python bench/dashboard.py --update-benchmarks` "
         f"(defaults: --steps {args.steps} --rollouts-per-step {args.rollouts_per_step} "
-        f"--calls-per-rollout {args.calls_per_rollout} --reps {args.reps}).",
+        f"--calls-per-rollout {args.calls_per_rollout} --reps {args.reps})."),
         "",
     ]
     path = ROOT / "BENCHMARKS.md"

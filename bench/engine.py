@@ -224,7 +224,8 @@ def main() -> None:
             (
                 f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} torch "
                 f"thread(s); load average {load_before[0]:.1f} before / {load_after[0]:.1f} after (other jobs share the "
-                "CPU: absolute figures move with load, the ratios are measured in the same run)."
+                "CPU: absolute figures move with load; the runs execute one after another, so a load change "
+                "between them moves the ratios too -- rerun on a quiet machine for stable figures)."
             ),
             f"- Reproduce: `{cmd.strip()}`",
         ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import time
 
 import torch
@@ -66,6 +67,18 @@ def build(
     return model.eval()
 
 
+# transformers 5.x renamed past_key_values -> cache (the old name warns until 5.40)
+CACHE_KW = (
+    "cache"
+    if "cache" in inspect.signature(transformers.Qwen3MoeForCausalLM.forward).parameters
+    else ("past_key_values")
+)
+
+
+def _cache(out: object) -> object:
+    return getattr(out, "cache", None) or out.past_key_values  # type: ignore[attr-defined]
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, bf16: bool, gen: torch.Generator
@@ -81,7 +94,7 @@ def sample(
             logps.append(logp.gather(-1, tok))
             ids = torch.cat([ids, tok], 1)
             if t < new_tokens - 1:
-                out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=tok, use_cache=True, **{CACHE_KW: _cache(out)})
     routes = rec.pop()  # the last sampled token is never fed back: no route for it
     pad = torch.full_like(routes[:, :1], PAD_ROUTE)
     return ids, torch.cat(logps, 1), torch.cat([routes, pad], 1)

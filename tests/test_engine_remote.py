@@ -179,6 +179,12 @@ def test_remote_engine_conformance(cls, tok, ref, other, tmp_path: Path) -> None
             engine = cls([servers[0].url], checkpoint_dir=served_dir)
             try:
                 await conformance(engine, ref, other, lambda: engine.update_weights(other.state_dict()))
+                assert engine.max_context() == 256  # learned from /v1/models
+                blind = cls([servers[0].url])
+                blind._discovered = True  # context unknown: the server's 400 must become ContextOverflowError
+                with pytest.raises(ContextOverflowError):
+                    await blind.generate([5] * 256, SamplingParams(max_tokens=2))
+                await blind.close()
                 # vLLM re-reads the served directory (written in place); SGLang loads a new one per version.
                 written = served_dir / ("model.safetensors" if cls is VLLMEngine else "v1/model.safetensors")
                 assert written.exists()

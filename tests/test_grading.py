@@ -1,8 +1,9 @@
-"""The grader end to end (real bwrap, git, pytest) plus its path policy and JUnit parsing."""
+"""The grader end to end (real bwrap, git, pytest) plus its path policy, stream verdicts and JUnit handling."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
-from legorl.grading.junit import JUnitError
+from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
+from legorl.grading.policy import filter_diff_detailed
+from legorl.grading.stream import StreamedRun
+from legorl.grading.tamper import scan
+from legorl.grading.verdict import decide
 from legorl.records import Outcome
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree
 from legorl.tasks import FAMILIES, Task, generate_tasks, prepare_repo
@@ -32,11 +37,11 @@ async def gather_limited(coros, limit: int = 3):
 
 @needs_bwrap
 def test_gold_resolves_and_empty_diff_does_not_for_every_family(tmp_path: Path) -> None:
-    tasks = generate_tasks(None, 2 * len(FAMILIES), seed=7, split="train")  # two instances per family
+    tasks = generate_tasks(None, len(FAMILIES), seed=7, split="train")  # one instance per family
 
     async def main():
         gold = gather_limited(grade(t, t.patch, work_dir=tmp_path) for t in tasks)
-        empty = gather_limited(grade(t, "", work_dir=tmp_path) for t in tasks[: len(FAMILIES)])
+        empty = gather_limited(grade(t, "", work_dir=tmp_path) for t in tasks[:3])
         return await gold, await empty
 
     gold, empty = asyncio.run(main())
@@ -44,7 +49,7 @@ def test_gold_resolves_and_empty_diff_does_not_for_every_family(tmp_path: Path) 
         assert rep.outcome == Outcome.RESOLVED and rep.resolved, (task.family, rep.reason, rep.log_tail)
         assert set(rep.tests.values()) == {"passed"} and rep.collected == len(task.test_ids)
         assert rep.applied_paths and not rep.dropped_paths and rep.exit_code == 0
-    for task, rep in zip(tasks[: len(FAMILIES)], empty, strict=True):
+    for task, rep in zip(tasks[:3], empty, strict=True):
         assert rep.outcome == Outcome.UNRESOLVED and not rep.resolved, task.family
         assert {rep.tests[t] for t in task.FAIL_TO_PASS} == {"failed"}
         assert {rep.tests[t] for t in task.PASS_TO_PASS} == {"passed"}
@@ -63,8 +68,9 @@ mkdir -p tests && printf 'def test_anything():\n    assert True\n' > tests/test_
 echo 'import os' > sitecustomize.py
 echo 'import sitecustomize' > evil.pth
 printf '[pytest]\naddopts = -p no:junitxml\n' > pytest.ini
+printf 'def main(): pass\n' > pytest.py
 echo '# docs' >> README.md
-git commit -qam 'agent commit' && echo committed
+git add -A && git commit -qm 'agent commit' && echo committed
 """
 
 
@@ -81,16 +87,21 @@ def test_test_path_hacks_are_dropped_and_not_resolved(tmp_path: Path) -> None:
             diff = await workspace_diff(box, base)
         finally:
             await box.close()
-        return diff, await grade(task, diff, work_dir=tmp_path / "grade")
+        return diff, await grade(task, diff, work_dir=tmp_path / "grade", artifacts_dir=tmp_path / "art")
 
     diff, rep = asyncio.run(main())
     assert "conftest.py" in diff and "README.md" in diff  # committed + untracked changes both captured
     assert rep.outcome == Outcome.UNRESOLVED and not rep.resolved
     assert rep.dropped_paths == sorted(
-        ["conftest.py", "evil.pth", "pytest.ini", "sitecustomize.py", "tests/test_hidden.py"]
+        ["conftest.py", "evil.pth", "pytest.ini", "pytest.py", "sitecustomize.py", "tests/test_hidden.py"]
     )
     assert rep.applied_paths == ["README.md"]
     assert rep.tests[task.FAIL_TO_PASS[0]] == "failed"
+    saved = json.loads((tmp_path / "art" / "report.json").read_text())
+    assert saved["outcome"] == "unresolved" and "pytest.py" in saved["dropped_diff"]
+    assert "README.md" in saved["applied_diff"] and saved["drop_reasons"]["pytest.py"].startswith("shadows")
+    junit = parse_junit(tmp_path / "art" / "junit.xml")  # the verifier-owned report, built on the host
+    assert junit[junit_key(task.FAIL_TO_PASS[0])] == "failed"
 
 
 @needs_bwrap
@@ -120,9 +131,7 @@ def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
     garbage = (
         f"diff --git a/{mod} b/{mod}\n--- a/{mod}\n+++ b/{mod}\n@@ -1,1 +1,1 @@\n-nothing like this\n+x\n"
     )
-    syntax = f"diff --git a/{mod} b/{mod}\n--- a/{mod}\n+++ b/{mod}\n@@ -1,1 +1,2 @@\n" + (
-        f"-{task.files[mod].splitlines()[0]}\n+def broken(:\n+    pass\n"
-    )
+    syntax = unified_diff(mod, task.files[mod], task.files[mod] + "def broken(:\n    pass\n")
     no_repo = Task(instance_id="x", repo="x", repo_path="/nonexistent/repo.tar.gz", problem_statement="p")
 
     async def main():
@@ -133,15 +142,17 @@ def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
             grade(
                 task.model_copy(update={"setup": "echo setting up; exit 7"}), task.patch, work_dir=tmp_path
             ),
+            grade(task.model_copy(update={"test_command": "true"}), task.patch, work_dir=tmp_path),
         )
 
-    not_applied, broken, infra, bad_setup = asyncio.run(main())
-    assert not_applied.outcome == Outcome.UNRESOLVED and not_applied.reason == "patch did not apply"
-    assert broken.outcome == Outcome.UNRESOLVED and not broken.resolved
+    not_applied, broken, infra, bad_setup, not_pytest = asyncio.run(main())
+    assert not_applied.outcome == Outcome.UNRESOLVED and not_applied.reason.startswith("patch did not apply")
+    assert broken.outcome == Outcome.UNRESOLVED and not broken.resolved and "collect" in broken.reason
     assert all(s in ("error", "missing", "failed") for s in broken.tests.values())
     assert infra.outcome == Outcome.GRADER_ERROR and "nonexistent" in infra.reason
     assert bad_setup.outcome == Outcome.GRADER_ERROR and "setup failed" in bad_setup.reason
     assert "setting up" in bad_setup.log_tail
+    assert not_pytest.outcome == Outcome.GRADER_ERROR and "verifier plugin never reported" in not_pytest.reason
 
 
 def test_filter_diff_policy() -> None:
@@ -164,7 +175,90 @@ def test_filter_diff_policy() -> None:
     assert (applied, dropped) == ([], ["m.py"])
 
 
-def test_junit_mapping_and_garbled_reports(tmp_path: Path) -> None:
+def _new(path: str) -> str:
+    return f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+x = 1\n"
+
+
+def test_policy_config_files_shadowing_and_task_globs() -> None:
+    paths = ["pyproject.toml", "setup.cfg", "tox.ini", ".pytest.ini", "src/usercustomize.py", "a/b/c.pth",
+             "json.py", "_pytest/__init__.py", "pluggy.py", "legorl_verifier.py", "typing/__init__.py",
+             "docs/json.py", "json.md", "pkg/secret_data.txt", "io.py", "pkg/core.py"]  # fmt: skip
+    f = filter_diff_detailed("".join(map(_new, paths)), protected={"pkg/secret_*"}, base_paths={"io.py", "pkg"})
+    assert f.applied_paths == ["docs/json.py", "io.py", "json.md", "pkg/core.py"]  # io.py: the repo's own module
+    assert f.reasons["json.py"].startswith("shadows") and f.reasons["pluggy.py"].startswith("shadows")
+    assert f.reasons["pkg/secret_data.txt"] == "protected by the task"
+    assert f.reasons["pyproject.toml"] == f.reasons[".pytest.ini"] == "test or test-infrastructure path"
+    assert "x = 1" in f.dropped and f.kept.count("diff --git") == 4
+
+
+def test_tamper_scan_flags_runner_hooks_unless_already_there() -> None:
+    hook = (
+        "diff --git a/pkg/m.py b/pkg/m.py\n--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1,3 @@\n x = 1\n"
+        "+import _pytest.runner\n+open('/logs/verifier/reward.txt', 'w')\n"
+    )
+    findings = scan(hook, lambda p: "x = 1\n")
+    assert findings == ["pkg/m.py adds '_pytest'", "pkg/m.py adds '/logs/verifier'", "pkg/m.py adds 'reward.txt'"]
+    assert scan(hook, lambda p: "import _pytest\n# /logs/verifier/reward.txt\n") == []  # pytest's own sources
+    assert scan(_new("pkg/clean.py"), lambda p: None) == []
+
+
+def _events(*reports: tuple[str, str, str], collected=None, exitstatus=0, extra=()) -> StreamedRun:
+    run = StreamedRun()
+    ids = collected if collected is not None else sorted({r[0] for r in reports})
+    for ev in [
+        {"ev": "start"}, {"ev": "configured", "rootdir": "/workspace"}, {"ev": "plugin", "name": "terminalreporter"},
+        {"ev": "collection_start"}, {"ev": "plugin", "name": "conftest", "file": "/workspace/tests/conftest.py"},
+        {"ev": "collected", "ids": ids},
+        *({"ev": "report", "nodeid": n, "when": w, "outcome": o} for n, w, o in reports),
+        *extra, {"ev": "finish", "exitstatus": exitstatus}, {"ev": "end"},
+    ]:  # fmt: skip
+        run.feed(ev)
+    return run
+
+
+def _passed(nodeid: str) -> list[tuple[str, str, str]]:
+    return [(nodeid, "setup", "passed"), (nodeid, "call", "passed"), (nodeid, "teardown", "passed")]
+
+
+def test_verdict_needs_stream_exit_code_and_junit_to_agree() -> None:
+    ids = ["t.py::a", "t.py::b[1]", "t.py::b[2]"]
+    junit_ok = {("t", "a"): "passed", ("t", "b[1]"): "passed", ("t", "b[2]"): "passed"}
+    good = _events(*_passed(ids[0]), *_passed(ids[1]), *_passed(ids[2]))
+    ok = decide(good, ["t.py::a", "t.py::b"], exit_code=0, timed_out=False, junit=junit_ok)
+    assert ok.resolved and ok.tests == {"t.py::a": "passed", "t.py::b": "passed"}  # `b` covers its parameters
+    cases = {
+        "exit status rewritten": dict(exit_code=1),
+        "timed out": dict(timed_out=True),
+        "JUnit report is unusable": dict(junit=None),
+        "disagrees": dict(junit={**junit_ok, ("t", "a"): "failed"}),
+    }
+    for reason, change in cases.items():
+        kw = dict(exit_code=0, timed_out=False, junit=junit_ok) | change
+        v = decide(good, ["t.py::a"], **kw)
+        assert v.outcome == Outcome.UNRESOLVED and reason in v.reason, (reason, v.reason)
+    failing = _events(*_passed(ids[0]), (ids[1], "setup", "passed"), (ids[1], "call", "failed"),
+                      (ids[1], "teardown", "passed"), exitstatus=0)  # fmt: skip
+    v = decide(failing, ["t.py::a"], exit_code=0, timed_out=False, junit=junit_ok)
+    assert "inconsistent" in v.reason  # a failure, yet pytest says 0
+    no_teardown = _events(*_passed(ids[0])[:2], exitstatus=0)
+    assert decide(no_teardown, ["t.py::a"], exit_code=0, timed_out=False, junit=junit_ok).tests == {"t.py::a": "missing"}
+    forged = _events(*_passed(ids[0]), extra=[{"ev": "report", "nodeid": ids[0], "when": "call", "outcome": "passed"}])
+    assert "duplicate call result" in decide(forged, ["t.py::a"], exit_code=0, timed_out=False, junit=junit_ok).reason
+    hooked = _events(*_passed(ids[0]), extra=[{"ev": "plugin", "name": "140234", "file": None}])
+    assert "registered during the run" in decide(hooked, ["t.py::a"], exit_code=0, timed_out=False,
+                                                  junit=junit_ok).reason  # fmt: skip
+    empty = _events(collected=[], exitstatus=5)
+    assert "no tests collected" in decide(empty, ["t.py::a"], exit_code=5, timed_out=False, junit={}).reason
+    silent = StreamedRun()
+    assert decide(silent, ["t.py::a"], exit_code=0, timed_out=False, junit=None).outcome == Outcome.GRADER_ERROR
+    truncated = StreamedRun()
+    for ev in ({"ev": "start"}, {"ev": "collection_start"}):
+        truncated.feed(ev)
+    v = decide(truncated, ["t.py::a"], exit_code=0, timed_out=False, junit=None)
+    assert v.outcome == Outcome.UNRESOLVED and "before collection finished" in v.reason
+
+
+def test_junit_mapping_round_trip_and_garbled_reports(tmp_path: Path) -> None:
     assert junit_key("tests/test_hidden.py::test_x") == ("tests.test_hidden", "test_x")
     assert junit_key("tests/a/test_b.py::TestC::test_d[1-2]") == ("tests.a.test_b.TestC", "test_d[1-2]")
     report = tmp_path / "j.xml"
@@ -175,6 +269,8 @@ def test_junit_mapping_and_garbled_reports(tmp_path: Path) -> None:
         '<testcase classname="t.m" name="sk"><skipped/></testcase></testsuite></testsuites>'
     )
     assert parse_junit(report) == {("t.m", "ok"): "error", ("t.m", "bad"): "failed", ("t.m", "sk"): "skipped"}
+    xml = to_junit_xml({"t/m.py::ok": "passed", "t/m.py::bad": "failed", "t/m.py::gone": "missing"})
+    assert parse_junit_text(xml) == {("t.m", "ok"): "passed", ("t.m", "bad"): "failed", ("t.m", "gone"): "error"}
     report.write_text("<testsuites><testcase")
     with pytest.raises(JUnitError, match="not valid XML"):
         parse_junit(report)
@@ -217,16 +313,10 @@ def test_swebench_style_test_patch(tmp_path: Path) -> None:
     assert empty.outcome == Outcome.UNRESOLVED and empty.tests[task.FAIL_TO_PASS[0]] == "failed"
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @needs_bwrap
 def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
     from legorl.sandbox.client import SandboxError
+    from legorl.sandbox.procs import alive
 
     async def main():
         (tmp_path / "ws").mkdir()
@@ -235,7 +325,7 @@ def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
             argvs = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in process_tree(box.pid)}
             agent = next(p for p, argv in argvs.items() if Path(argv[0].decode()).name.startswith("python"))
             os.kill(agent, signal.SIGKILL)
-            while _running(agent):  # wait until it can no longer answer
+            while alive(agent):  # wait until it can no longer answer
                 await asyncio.sleep(0.01)
             with pytest.raises(SandboxError):
                 await box.exec("echo hi", timeout=5)

@@ -69,7 +69,7 @@ def make_script(tokenizer, seen: list[str]):
     return script
 
 
-async def run_claude(tokenizer, tmp_path: Path, script, *, token_override: str | None = None):
+async def run_claude(tokenizer, tmp_path: Path, script, **harness_kw):
     engine = ScriptedEngine(tokenizer)
     calls = []
     proxy = Proxy(engine, tokenizer, on_call=calls.append)
@@ -79,11 +79,11 @@ async def run_claude(tokenizer, tmp_path: Path, script, *, token_override: str |
     (ws / "calc.py").write_text(CALC)
     box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-claude",
                                     proxy_socket=proxy.unix_socket, **sandbox_kwargs())
-    harness = ClaudeCodeHarness(max_turns=8, timeout=240)
+    harness = ClaudeCodeHarness(max_turns=8, timeout=240, **harness_kw)
     await harness.start()
     session = proxy.open_session("r1")
     engine.set_script("r1", script)
-    token = token_override or session.token
+    token = session.token
     run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
                      api_base=proxy.openai_base_url(token), api_key=token, model_name=proxy.model_name,
                      control_socket=str(box.control_socket),
@@ -111,14 +111,16 @@ def test_claude_code_plays_an_episode_through_the_proxy(tokenizer, tmp_path):
     idx = [c.index for c in main]
     assert [c.parent_index for c in main[1:]] == idx[:-1], [(c.index, c.parent_index, c.segment_break)
                                                              for c in calls]
-    assert re.search(r"<tool_response>\n.*return a - b", seen[-3], re.S)  # Read's output reached the model
+    assert re.search(r"<tool_response>\n.*return a - b", seen[-3], re.DOTALL)  # Read's output reached the model
     outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
     assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
 
 
+@pytest.mark.skipif(not sandbox_kwargs(), reason="needs a sandbox that can run as root")
 def test_claude_code_without_model_calls_is_no_model_calls(tokenizer, tmp_path):
+    # As root, skipped permissions without IS_SANDBOX=1 make Claude Code exit before any model call.
     result, session, calls, calc = asyncio.run(
-        run_claude(tokenizer, tmp_path, lambda i, ids: "unused", token_override="wrong-session"))
+        run_claude(tokenizer, tmp_path, lambda i, ids: "unused", extra_env={"IS_SANDBOX": None}))
     assert result.exit_status != "Submitted" and result.error
     assert session.n_calls == 0 and calls == [] and calc == CALC
     outcome, reason = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)

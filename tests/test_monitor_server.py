@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -206,12 +203,20 @@ def test_serve_dashboard_on_a_real_socket(tmp_path: Path) -> None:
         asyncio.run(serve_dashboard(tmp_path, host="0.0.0.0"))
 
 
-def test_cli_refuses_a_public_host_without_token(tmp_path: Path) -> None:
+def test_cli_command(tmp_path: Path) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from legorl.cli import app as legorl_app
+    from legorl.monitor.cli import dashboard_command
+
+    assert "dashboard" in [c.name for c in legorl_app.registered_commands]
     hand_built(tmp_path)
-    exe = Path(sys.executable).with_name("legorl")
-    p = subprocess.run([str(exe), "dashboard", str(tmp_path), "--host", "0.0.0.0", "--port", "0"],
-                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}, check=False)
-    assert p.returncode == 2 and "without a token" in p.stderr
-    p = subprocess.run([str(exe), "dashboard", str(tmp_path / "missing")], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "COLUMNS": "200"}, check=False)
-    assert p.returncode == 2 and "has no store.sqlite" in p.stderr
+    app = typer.Typer()
+    app.command("dashboard")(dashboard_command)
+    app.command("unused")(lambda: None)  # two commands: typer keeps the command name
+    runner = CliRunner()
+    r = runner.invoke(app, ["dashboard", str(tmp_path), "--host", "0.0.0.0", "--port", "0"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "without a token" in r.output
+    r = runner.invoke(app, ["dashboard", str(tmp_path / "missing")], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "has no store.sqlite" in r.output

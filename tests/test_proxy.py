@@ -96,7 +96,7 @@ def test_sdk_retry_is_answered_from_record(tokenizer):
         async with Harness(engine, tokenizer) as h:
             s = h.proxy.open_session("r")
             client = openai.AsyncOpenAI(base_url=h.proxy.openai_base_url(s.token), api_key="x")
-            body = dict(model="m", messages=[{"role": "user", "content": "hi"}])
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             a = await client.chat.completions.create(**body)
             b = await client.chat.completions.create(**body)  # a retry of the same call
             assert a.id == b.id and a.choices[0].message.content == "only once"
@@ -164,8 +164,8 @@ def test_local_engine_calls_are_token_exact(tokenizer, tiny_spec):
 
 @pytest.mark.parametrize("text,n_calls", [
     ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', 1),
-    ('think\n<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b", '
-     '"arguments": {}}</tool_call>', 2),
+    (('think\n<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b", '
+     '"arguments": {}}</tool_call>'), 2),
     ('<tool_call>{"name": "bash", "arguments": {"command": </tool_call>', 0),  # broken JSON: plain text
     ("no tools here", 0),
 ])

@@ -210,7 +210,7 @@ def test_anthropic_multi_turn_streaming_and_not(tokenizer):
             events = [e async for e in raw]
             text3 = "".join(e.delta.text for e in events if e.type == "content_block_delta")
             assert text3 == "All done."
-            assert [e for e in events if e.type == "message_delta"][0].delta.stop_reason == "end_turn"
+            assert next(e for e in events if e.type == "message_delta").delta.stop_reason == "end_turn"
             n = await client.messages.count_tokens(model="m", system=system, messages=msgs, tools=[ANTHROPIC_BASH])
             assert n.input_tokens == len(h.calls[2].prompt_ids)  # same render, before the bridge
         assert [c.parent_index for c in h.calls] == [None, 0, 1]
@@ -415,7 +415,7 @@ def test_drift_prevented_is_counted(tokenizer):
             assert r.choices[0].message.content == "hello"
             msgs += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
             await client.chat.completions.create(model="m", messages=msgs)
-        c0, c1 = h.calls
+        _c0, c1 = h.calls
         assert c1.parent_index == 0 and c1.naive_prompt_differs
         assert h.proxy.stats()["drift_prevented"] == 1
         check_fidelity(tokenizer, h.calls)

@@ -1,4 +1,4 @@
-"""Real bubblewrap sandboxes: isolation, relay, timeouts, cleanup."""
+"""Real bubblewrap sandboxes: isolation, visible root, relay, timeouts, limits, watchdog, cleanup, reaping."""
 
 from __future__ import annotations
 
@@ -6,19 +6,24 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from legorl.sandbox import SandboxError, SandboxLimits
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree, reap_orphans
 from legorl.sandbox.client import SandboxClient
+from legorl.sandbox.procs import alive
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+ROOT = os.geteuid() == 0
 
 
 def run(coro):
@@ -31,15 +36,14 @@ async def make(tmp: Path, **kw) -> BwrapSandbox:
     return await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp / "sb", label="test-run", **kw)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+async def wait_dead(pids: list[int], timeout: float = 5) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return [p for p in pids if alive(p)]
 
 
-def test_exec_cwd_writes_and_readonly_root(tmp_path: Path) -> None:
+def test_exec_cwd_writes_readonly_root_and_identity(tmp_path: Path) -> None:
     async def main() -> None:
         box = await make(tmp_path)
         try:
@@ -52,8 +56,43 @@ def test_exec_cwd_writes_and_readonly_root(tmp_path: Path) -> None:
             assert (r.returncode, r.timed_out) == (3, False)
             r = await box.exec("python -c 'import pytest; print(\"pytest-ok\")'")  # venv python first on PATH
             assert "pytest-ok" in r.output
+            r = await box.exec("id -u; grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status; grep NoNewPrivs /proc/self/status")
+            lines = r.output.split("\n")
+            if ROOT:  # a root driver's sandbox runs under a uid of its own, with no capability at all
+                assert int(lines[0]) >= 200_000, r.output
+            assert all(x.split()[1] == "0000000000000000" for x in lines[1:4]), r.output
+            assert lines[4].split()[1] == "1"
+            r = await box.exec("python -c 'import os; os.setuid(0)' 2>&1 | tail -n 1")
+            assert "PermissionError" in r.output
             label = json.loads((tmp_path / "sb" / "label.json").read_text())
             assert label == {**label, "label": "test-run", "bwrap_pid": box.pid}
+        finally:
+            await box.close()
+
+    run(main())
+
+
+def test_visible_root_is_system_dirs_and_runtimes_only(tmp_path: Path) -> None:
+    async def main() -> None:
+        box = await make(tmp_path)
+        try:
+            r = await box.exec("ls /")
+            assert set(r.output.split()) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root",
+                                             "run", "sbin", "tmp", "usr", "var", "work", "workspace", "home"}
+            src = Path(__file__).resolve().parents[1] / "src" / "legorl"
+            checks = {
+                "host tmp": f"ls {tmp_path}",  # the host's /tmp (where this test's dirs are)
+                "legorl sources": f"ls {src}",
+                "home": "ls /root/.bashrc /home/*",
+                "shadow": "cat /etc/shadow",
+                "sys": "ls /sys/kernel",
+            }
+            for name, cmd in checks.items():
+                r = await box.exec(f"{{ {cmd}; }} 2>/dev/null")
+                assert r.output.strip() == "", (name, r.output)
+            py = os.path.realpath(sys.executable)
+            r = await box.exec(f"test -x {py} && node -e 'console.log(6*7)' && git --version >/dev/null && echo ok")
+            assert r.output.split() == ["42", "ok"], r.output
         finally:
             await box.close()
 
@@ -63,6 +102,7 @@ def test_exec_cwd_writes_and_readonly_root(tmp_path: Path) -> None:
 def test_hidden_path_is_empty_but_workspace_below_it_works() -> None:
     # Outside /tmp on purpose: the sandbox's /tmp is a fresh tmpfs anyway.
     root = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="legorl-test-"))
+    os.chmod(root, 0o755)
     try:
         run_dir = root / "run"
         (run_dir / "hidden").mkdir(parents=True)
@@ -70,11 +110,13 @@ def test_hidden_path_is_empty_but_workspace_below_it_works() -> None:
         (root / "visible.txt").write_text("v\n")
 
         async def main() -> None:
-            box = await make(root / "box", workspace=run_dir / "ws", hide_paths=[run_dir])
+            box = await make(root / "box", workspace=run_dir / "ws", hide_paths=[run_dir], visible_paths=[root])
             try:
                 r = await box.exec(f"ls -A {run_dir} | wc -l; cat {root}/visible.txt; echo x > f; cat f")
                 assert r.output.split() == ["0", "v", "x"], r.output
                 assert (run_dir / "ws" / "f").read_text() == "x\n"
+                r = await box.exec(f"touch {root}/new 2>&1; echo rc=$?")
+                assert "rc=1" in r.output and not (root / "new").exists()
             finally:
                 await box.close()
 
@@ -139,10 +181,7 @@ def test_close_leaves_no_process_and_is_idempotent(tmp_path: Path) -> None:
         assert len(pids) >= 4  # bwrap, its pid-1, the agent, the sleeps
         await box.close()
         await box.close()
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert not [p for p in pids if alive(p)]
+        assert not await wait_dead(pids)
 
     run(main())
 
@@ -153,14 +192,47 @@ def test_reap_orphans_kills_leftover_sandboxes(tmp_path: Path) -> None:
         pids = process_tree(box.pid)
         killed = await reap_orphans(tmp_path / "sandboxes")
         assert killed == [box.pid]
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert not [p for p in pids if alive(p)]
+        assert not await wait_dead(pids)
         await box.close()
         assert await reap_orphans(tmp_path / "sandboxes") == []
 
     run(main())
+
+
+DRIVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from legorl.sandbox.bwrap import BwrapSandbox, process_tree
+
+    async def main():
+        root = Path(sys.argv[1])
+        (root / "ws").mkdir(parents=True)
+        box = await BwrapSandbox.create(workspace=root / "ws", sandbox_dir=root / "sb", label=sys.argv[2])
+        await box.exec("setsid sleep 3000 >/dev/null 2>&1 &")
+        print(" ".join(map(str, process_tree(box.pid))), flush=True)
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_sandboxes_of_a_sigkilled_driver_are_gone_after_the_next_start(tmp_path: Path) -> None:
+    """A driver killed with SIGKILL: --die-with-parent takes its sandboxes down, and the next start's
+    reap_orphans (by dir and by run label) catches anything that survived."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "sandboxes" / "r1"), "run-xyz"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) >= 4 and all(alive(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        run(reap_orphans(tmp_path / "sandboxes", label="run-xyz"))  # what the next driver does first
+        assert not run(wait_dead(pids)), "sandbox processes outlived their killed driver"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_sandbox_client_from_another_process(tmp_path: Path) -> None:
@@ -181,10 +253,61 @@ def test_sandbox_client_from_another_process(tmp_path: Path) -> None:
             )
             out, _ = await proc.communicate()
             assert out.decode().strip() == "from-worker /workspace 4"
-            assert SandboxClient(box.control_socket).exec("echo same", timeout=5).output == "same\n"
+            client = SandboxClient(box.control_socket)
+            assert client.exec("echo same", timeout=5).output == "same\n"
+            client.write_file("/workspace/x.bin", b"\x00\x01")
+            assert client.read_file("/workspace/x.bin") == b"\x00\x01"
         finally:
             await box.close()
         assert not SandboxClient(box.control_socket).ping(timeout=1)
+
+    run(main())
+
+
+def test_custom_inside_workspace(tmp_path: Path) -> None:
+    async def main() -> None:
+        box = await make(tmp_path, inside_workspace="/app")
+        try:
+            assert (await box.exec("pwd; touch made")).output.strip() == "/app"
+            assert (tmp_path / "ws" / "made").exists()
+            assert box.inside_workspace == "/app"
+        finally:
+            await box.close()
+
+    run(main())
+
+
+def test_failed_start_reports_bwrap_error(tmp_path: Path) -> None:
+    with pytest.raises(SandboxError, match="proxy socket"):
+        run(make(tmp_path, proxy_socket=tmp_path / "missing.sock"))
+    assert not os.path.exists(tmp_path / "sb" / "label.json")
+
+
+# ---- resource limits ----------------------------------------------------------------------------
+
+
+def test_rlimits_are_applied_and_cannot_be_raised(tmp_path: Path) -> None:
+    limits = SandboxLimits(processes=200, memory_mb=512, cpu_seconds=7, file_size_mb=5, open_files=256, tmp_mb=8)
+
+    async def main() -> None:
+        box = await make(tmp_path, limits=limits)
+        try:
+            r = await box.exec("ulimit -u; ulimit -d; ulimit -t; ulimit -f; ulimit -n; ulimit -c")
+            assert r.output.split() == ["200", str(512 * 1024), "7", str(5 * 1024), "256", "0"], r.output
+            r = await box.exec("ulimit -n 100000 2>&1; echo rc=$?")
+            assert "rc=1" in r.output
+            r = await box.exec("python3 -c 'b = bytearray(900 * 1024 * 1024)' 2>&1 | tail -n 1")
+            assert "MemoryError" in r.output
+            r = await box.exec("head -c 8M /dev/zero > big 2>&1; echo rc=$?; stat -c %s big")
+            assert "rc=153" in r.output or "File size limit" in r.output, r.output  # SIGXFSZ
+            assert int(r.output.split()[-1]) <= 5 * 1024 * 1024
+            r = await box.exec("python3 -c \"[open(f'/tmp/f{i}', 'wb').write(bytes(4 << 20)) for i in range(3)]\" 2>&1")
+            assert "No space left" in r.output, r.output
+            r = await box.exec("timeout 20 sh -c 'while :; do :; done'; echo rc=$?", timeout=30)
+            assert "rc=137" in r.output or "rc=152" in r.output, r.output  # SIGXCPU/SIGKILL at 7 cpu-seconds
+            assert (await box.exec("echo ok")).output == "ok\n"
+        finally:
+            await box.close()
 
     run(main())
 
@@ -202,9 +325,27 @@ def test_memory_limit_applies(tmp_path: Path) -> None:
     run(main())
 
 
-def test_failed_start_reports_bwrap_error(tmp_path: Path) -> None:
-    from legorl.sandbox.client import SandboxError
+def test_watchdog_kills_on_total_memory_workspace_size_and_lifetime(tmp_path: Path) -> None:
+    async def main() -> None:
+        mem = await make(tmp_path / "mem", limits=SandboxLimits(memory_mb=300))
+        disk = await make(tmp_path / "disk", limits=SandboxLimits(workspace_mb=30, file_size_mb=20))
+        life = await make(tmp_path / "life", limits=SandboxLimits(lifetime_s=1.5))
+        try:
+            # Four processes of 150 MiB each: every one is under RLIMIT_DATA, the sum is not.
+            hog = "python3 -c 'import time; b = bytearray(150 << 20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(60)'"
+            with pytest.raises(SandboxError, match="memory limit exceeded"):
+                await mem.exec(" & ".join([hog] * 4) + " & wait", timeout=60)
+            # Many files of 10 MiB: each under RLIMIT_FSIZE, the workspace is not.
+            with pytest.raises(SandboxError, match="workspace size limit exceeded"):
+                await disk.exec("for i in $(seq 100); do head -c 10M /dev/urandom > f$i; done; sleep 30", timeout=60)
+            with pytest.raises(SandboxError, match="lifetime exceeded"):
+                await life.exec("sleep 30", timeout=60)
+            for box in (mem, disk, life):
+                with pytest.raises(SandboxError, match="killed"):
+                    await box.exec("echo still-there")
+                assert not await wait_dead([box.pid])
+        finally:
+            for box in (mem, disk, life):
+                await box.close()
 
-    with pytest.raises(SandboxError, match="proxy socket"):
-        run(make(tmp_path, proxy_socket=tmp_path / "missing.sock"))
-    assert not os.path.exists(tmp_path / "sb" / "label.json")
+    run(main())

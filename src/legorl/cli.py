@@ -201,6 +201,9 @@ app.command("dashboard")(dashboard_command)
 from legorl.engine.cli import serve_command
 
 app.command("serve")(serve_command)
+from legorl.proxy.cli import proxy_command  # noqa: E402
+
+app.command("proxy")(proxy_command)
 
 
 def main() -> None:

@@ -134,6 +134,28 @@ class Driver:
                                   max_retries=cfg.rollout.max_retries, backoff=cfg.rollout.retry_backoff)
         return self
 
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        ckpts = sorted((self.run_dir / "checkpoints").glob("step-*"))
+        ckpts = [c for c in ckpts if (c / "trainer_state.pt").is_file()]
+        return (int(ckpts[-1].name.split("-")[1]), ckpts[-1]) if ckpts else None
+
+    async def _restore(self) -> None:
+        """Continue a killed run: weights, optimiser and RNG from the last checkpoint, steps from the store."""
+        found = self.latest_checkpoint()
+        last = found[0] if found else -1
+        sft = self.run_dir / "checkpoints" / "sft"
+        if found is None and (sft / "trainer_state.pt").is_file():
+            found = (-1, sft)  # killed after the warm start, before the first RL checkpoint
+        if found:
+            await asyncio.to_thread(self.trainer.load, found[1])
+            await self.engine.update_weights(self.trainer.state_dict_for_engine())
+            version = self.store.step_metrics(last).get("weight_version")
+            if version is not None:  # keep version stamps continuous across the restart
+                self.engine.weight_version = int(version)
+        changes = self.store.prepare_resume(last)
+        self.first_step = last + 1
+        console.print(f"resuming after step {last}: {changes}")
+
     async def __aexit__(self, *exc: object) -> None:
         for closer in (self.harness.close, self.proxy.stop, self.engine.close):
             try:

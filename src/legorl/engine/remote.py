@@ -154,10 +154,27 @@ class RemoteEngine:
         self._open.set()
         self._update_lock = asyncio.Lock()
         self._closed = False
+        self._discovered = False
+
+    async def _discover(self) -> None:
+        """Learn the context length from ``/v1/models`` (``max_model_len``: vLLM, SGLang, legorl serve)."""
+        self._discovered = True
+        for server in self.servers:
+            try:
+                r = await self._client.get(f"{server.url}/v1/models", timeout=10.0)
+                cards = r.json().get("data") or []
+                lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+                lengths = [n for n in lengths if isinstance(n, int) and n > 0]
+                if lengths:
+                    self._max_context = min(lengths)
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
 
     # ---- protocol ----
 
     def max_context(self) -> int:
+        """The servers' context length (given, or learned on the first call; 2**30 while unknown)."""
         return self._max_context if self._max_context is not None else 1 << 30
 
     async def generate(
@@ -169,6 +186,8 @@ class RemoteEngine:
             raise EngineError("prompt must be a non-empty list of token ids (non-negative integers)")
         if self.vocab_size is not None and max(prompt_ids) >= self.vocab_size:
             raise EngineError(f"prompt has token ids outside [0, {self.vocab_size})")
+        if self._max_context is None and not self._discovered:
+            await self._discover()
         if len(prompt_ids) + 1 > self.max_context():
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.max_context()} tokens"

@@ -84,8 +84,11 @@ echo "FOUND:${{found:-nothing}}"
 """
 
 
-async def hidden_test_lookup(task: Task, work: Path, hide_paths: list[Path]) -> Check:
-    """Run a search for the hidden tests inside an agent sandbox prepared like a rollout's."""
+async def hidden_test_lookup(
+    task: Task, work: Path, hide_paths: list[Path], visible_paths: tuple[Path, ...] = ()
+) -> Check:
+    """Run a search for the hidden tests inside an agent sandbox prepared like a rollout's
+    (``visible_paths``: extra host dirs the rollouts' sandboxes show, e.g. toolchains)."""
     ws = work / "lookup-ws"
     await asyncio.to_thread(prepare_repo, task, ws)
     markers = hidden_markers(task, ws)
@@ -93,7 +96,7 @@ async def hidden_test_lookup(task: Task, work: Path, hide_paths: list[Path]) -> 
         return Check("hidden_test_lookup", True, "no distinctive hidden-test lines to look for")
     box = await BwrapSandbox.create(
         workspace=ws, sandbox_dir=work / "lookup-sb", label=f"validate-{task.instance_id}",
-        hide_paths=hide_paths, inside_workspace=task.workdir,
+        hide_paths=hide_paths, inside_workspace=task.workdir, visible_paths=visible_paths,
     )  # fmt: skip
     try:
         await box.write_file("/tmp/.markers", "\n".join(markers) + "\n")

@@ -72,7 +72,7 @@ class ClaudeCodeHarness:
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
     binary: str | None = None
     extra_args: list[str] = field(default_factory=list)
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
     name: str = "claude-code"
 
     async def start(self) -> None:
@@ -106,7 +106,11 @@ class ClaudeCodeHarness:
             "TERM": "dumb",
             "HOME": "/tmp",
         }
-        env.update(self.extra_env)
+        for k, v in self.extra_env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         return env
 
     def command(self, run: HarnessRun) -> str:
@@ -118,8 +122,9 @@ class ClaudeCodeHarness:
     async def run(self, run: HarnessRun) -> HarnessResult:
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = last_json(output, lambda o: o.get("type") == "result")
-        if res is None:
-            raise HarnessCrashed(f"claude exited with {rc} without a result line: {output[-2000:]}")
+        if res is None:  # it never got going (or died): the outcome depends on whether it called the model
+            return HarnessResult(exit_status="exited", n_calls=0,
+                                 error=f"claude exited with {rc} without a result line: {output[-2000:]}")
         turns = int(res.get("num_turns") or 0)
         subtype = str(res.get("subtype") or "")
         error = "" if not res.get("is_error") else str(res.get("result") or res.get("terminal_reason") or "")

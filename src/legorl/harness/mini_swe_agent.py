@@ -34,8 +34,9 @@ OBSERVATION_TEMPLATE = (
 
 
 class _Worker:
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, label: str):
         self.log_path = log_path
+        self.label = label
         self.proc: asyncio.subprocess.Process | None = None
         self.pending: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -46,7 +47,8 @@ class _Worker:
         env = dict(os.environ)
         env.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(self.log_path.parent / "mini-swe-agent-config"))
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "legorl.harness.mini_worker",
+            # The label names the run in the process list, so a killed run's leftovers can be found.
+            sys.executable, "-m", "legorl.harness.mini_worker", "--label", self.label,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
             start_new_session=True, limit=64 * 1024 * 1024,
         )
@@ -109,7 +111,8 @@ class MiniSweAgentHarness:
         self._next = itertools.count()
 
     async def start(self) -> None:
-        self.workers = [_Worker(self.log_dir / f"mini-worker-{i}.log") for i in range(self.cfg.workers)]
+        self.workers = [_Worker(self.log_dir / f"mini-worker-{i}.log", str(self.log_dir))
+                        for i in range(self.cfg.workers)]
         await asyncio.gather(*(w.start() for w in self.workers))
 
     def _request(self, run: HarnessRun) -> dict[str, Any]:
@@ -131,7 +134,7 @@ class MiniSweAgentHarness:
         worker = self.workers[i]
         if not worker.alive:  # replace a dead worker before giving it work
             await worker.close()
-            worker = self.workers[i] = _Worker(worker.log_path)
+            worker = self.workers[i] = _Worker(worker.log_path, worker.label)
             await worker.start()
         msg = await worker.submit(self._request(run))
         return HarnessResult(exit_status=msg.get("exit_status", ""), n_calls=int(msg.get("n_calls", 0)),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -87,6 +88,8 @@ def main() -> None:
             threading.Thread(target=_serve_one, args=(req,), daemon=True).start()
         elif req.get("op") == "exit":
             break
+    # stdin closed: the driver is gone. Exit now, without waiting for episode threads or atexit hooks.
+    os._exit(0)
 
 
 if __name__ == "__main__":

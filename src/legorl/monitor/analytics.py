@@ -111,9 +111,7 @@ def overview(db: RunDB) -> dict[str, Any]:
         chart("train", "Training: loss, grad norm, clip fraction", xs,
               {"loss": g("train/loss"), "grad norm": g("train/grad_norm"), "clip frac": g("train/clip_frac")}),
     ]
-    totals: dict[str, int] = {}
-    for r in db.query("SELECT outcome, COUNT(*) FROM rollouts GROUP BY outcome"):
-        totals[r[0] or "pending"] = int(r[1])
+    totals = db.outcome_totals()
     last = ms[-1] if ms else {}
     return {
         "run": {"dir": str(db.run_dir), "name": db.run_info()["name"], "steps": len(xs),

@@ -28,11 +28,15 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS monitor_rollouts_task_step ON rollouts(task_id, step)",
     "CREATE INDEX IF NOT EXISTS monitor_rollouts_harness_step ON rollouts(harness, step)",
     "CREATE INDEX IF NOT EXISTS monitor_rollouts_reward ON rollouts(reward, step)",
+    "CREATE INDEX IF NOT EXISTS monitor_rollouts_split_step ON rollouts(split, step, outcome)",
     "CREATE INDEX IF NOT EXISTS monitor_rollouts_split_group ON rollouts(split, step, group_id, reward, outcome)",
+    # every filter and sort column: any filter combination can be answered from this index alone
+    ("CREATE INDEX IF NOT EXISTS monitor_rollouts_filter "
+     "ON rollouts(outcome, harness, split, reward, step, task_id, updated)"),
 )
 
 SORTABLE = {"step": "step", "task": "task_id", "harness": "harness", "outcome": "outcome", "reward": "reward",
-            "split": "split", "updated": "updated", "id": "id"}
+            "split": "split", "updated": "updated", "id": "id", "created": "rowid"}
 LIST_COLS = ("id, step, task_id, group_id, sample_index, harness, split, outcome, outcome_reason, reward, "
              "weight_version_start, weight_version_end, timings_json, updated")
 
@@ -118,6 +122,9 @@ class RunDB:
         self._local = threading.local()
         self._cache: dict[tuple[Any, ...], tuple[tuple[int, ...], Any]] = {}
         self._cache_lock = threading.Lock()
+        self._steps: dict[int, tuple[float, dict[str, float]]] = {}
+        self._steps_lock = threading.Lock()
+        self._closed_counts: dict[int, list[tuple[str, int]]] = {}  # train outcome counts of closed steps
         self.ensure_indexes()
 
     def ensure_indexes(self) -> None:
@@ -173,11 +180,26 @@ class RunDB:
 
     # ---- steps -------------------------------------------------------------------------------------
     def steps(self) -> list[tuple[int, float, dict[str, float]]]:
+        """(step, time, metrics) for every step; a row's JSON is parsed once, again only if it was rewritten."""
         def load() -> list[tuple[int, float, dict[str, float]]]:
-            rows = self.query("SELECT step, t, metrics_json FROM steps ORDER BY step")
-            return [(int(r[0]), float(r[1] or 0.0), json.loads(r[2] or "{}")) for r in rows]
+            with self._steps_lock:
+                stamps = {int(r[0]): float(r[1] or 0.0) for r in self.query("SELECT step, t FROM steps")}
+                stale = [st for st, t in stamps.items() if self._steps.get(st, (None,))[0] != t]
+                for i in range(0, len(stale), 500):
+                    chunk = stale[i:i + 500]
+                    marks = ", ".join("?" * len(chunk))
+                    for r in self.query(f"SELECT step, t, metrics_json FROM steps WHERE step IN ({marks})", chunk):
+                        self._steps[int(r[0])] = (float(r[1] or 0.0), json.loads(r[2] or "{}"))
+                for st in set(self._steps) - set(stamps):
+                    del self._steps[st]
+                return [(st, *self._steps[st]) for st in sorted(self._steps)]
 
         return self.cached(("steps",), load)
+
+    def closed_step(self) -> int | None:
+        """The last step whose metrics are written: its train rollouts are final."""
+        steps = self.steps()
+        return steps[-1][0] if steps else None
 
     def run_info(self) -> dict[str, Any]:
         rows = self.query("SELECT name, created, config_json FROM runs ORDER BY id DESC LIMIT 1")
@@ -188,30 +210,35 @@ class RunDB:
     # ---- rollouts ------------------------------------------------------------------------------------
     def rollouts_page(self, f: RolloutFilter, sort: str = "step", desc: bool = True, page: int = 1,
                       per_page: int = 50) -> Page:
+        """One page of the rollouts table. Filtering, sorting and skipping happen on indexes (rowids only);
+        only the page's rows are then read from the table."""
         where, params = f.where()
         col = SORTABLE.get(sort, "step")
         direction = "DESC" if desc else "ASC"
         per_page = max(1, min(per_page, 500))
         page = max(1, page)
-        sql = (f"SELECT {LIST_COLS} FROM rollouts{where} ORDER BY {col} {direction}, id {direction} "
-               "LIMIT ? OFFSET ?")
-        rows = self.query(sql, params + [per_page, (page - 1) * per_page])
+        ids = [int(r[0]) for r in self.query(
+            f"SELECT rowid FROM rollouts{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
+            params + [per_page, (page - 1) * per_page])]
         total = int(self.query(f"SELECT COUNT(*) FROM rollouts{where}", params)[0][0])
-        ids = [r["id"] for r in rows]
-        calls: dict[str, tuple[int, int]] = {}
+        by_rowid: dict[int, dict[str, Any]] = {}
         if ids:
             marks = ", ".join("?" * len(ids))
+            for r in self.query(f"SELECT rowid AS rid, {LIST_COLS} FROM rollouts WHERE rowid IN ({marks})", ids):
+                d = dict(r)
+                by_rowid[d.pop("rid")] = d
+        rows = [by_rowid[i] for i in ids if i in by_rowid]
+        calls: dict[str, tuple[int, int]] = {}
+        if rows:
+            marks = ", ".join("?" * len(rows))
             for r in self.query(f"SELECT rollout_id, COUNT(*), SUM(length(completion_ids)) / 4 FROM llm_calls "
-                                f"WHERE rollout_id IN ({marks}) GROUP BY rollout_id", ids):
+                                f"WHERE rollout_id IN ({marks}) GROUP BY rollout_id", [d["id"] for d in rows]):
                 calls[r[0]] = (int(r[1]), int(r[2] or 0))
-        out = []
-        for r in rows:
-            d = dict(r)
+        for d in rows:
             timings = json.loads(d.pop("timings_json") or "{}")
             d["duration_s"] = timings.get("total_s")
             d["turns"], d["completion_tokens"] = calls.get(d["id"], (0, 0))
-            out.append(d)
-        return Page(rows=out, total=total, page=page, per_page=per_page, facets=self.facets())
+        return Page(rows=rows, total=total, page=page, per_page=per_page, facets=self.facets())
 
     def facets(self) -> dict[str, list[str]]:
         """Distinct values for the filter drop-downs (index-only scans, cached)."""
@@ -253,11 +280,42 @@ class RunDB:
 
     # ---- aggregates --------------------------------------------------------------------------------
     def outcome_counts(self, split: str | None = "train") -> list[tuple[int, str, int]]:
-        """(step, outcome, count) for finished rollouts."""
-        cond = "outcome IS NOT NULL" + (" AND split = ?" if split else "")
-        rows = self.query(f"SELECT step, outcome, COUNT(*) FROM rollouts WHERE {cond} GROUP BY step, outcome "
-                          "ORDER BY step", (split,) if split else ())
-        return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
+        """(step, outcome, count) for finished rollouts; closed train steps are counted once."""
+        if split != "train":
+            cond = "outcome IS NOT NULL" + (" AND split = ?" if split else "")
+            rows = self.query(f"SELECT step, outcome, COUNT(*) FROM rollouts WHERE {cond} GROUP BY step, outcome "
+                              "ORDER BY step", (split,) if split else ())
+            return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
+        closed = self.closed_step()
+        known = max(self._closed_counts, default=None)
+        start = -(2**62) if known is None else known + 1
+        fresh: dict[int, list[tuple[str, int]]] = {}
+        for r in self.query("SELECT step, outcome, COUNT(*) FROM rollouts WHERE split = 'train' AND step >= ? "
+                            "AND outcome IS NOT NULL GROUP BY step, outcome", (start,)):
+            fresh.setdefault(int(r[0]), []).append((str(r[1]), int(r[2])))
+        if closed is not None:
+            for st, counts in fresh.items():
+                if st <= closed:
+                    self._closed_counts[st] = counts
+            if not any(st <= closed for st in fresh):  # nothing new closed: remember steps with no rollouts too
+                self._closed_counts.setdefault(closed, self._closed_counts.get(closed, []))
+        merged = {**self._closed_counts, **fresh}
+        return [(st, o, n) for st in sorted(merged) for o, n in merged[st]]
+
+    def outcome_totals(self) -> dict[str, int]:
+        """Rollouts per outcome over all splits ("pending" for unfinished ones)."""
+        totals: dict[str, int] = {}
+        for _, o, n in self.outcome_counts("train"):
+            totals[o] = totals.get(o, 0) + n
+        for sql in ("SELECT outcome, COUNT(*) FROM rollouts WHERE split < 'train' GROUP BY outcome",
+                    "SELECT outcome, COUNT(*) FROM rollouts WHERE split > 'train' GROUP BY outcome",
+                    "SELECT outcome, COUNT(*) FROM rollouts WHERE split IS NULL GROUP BY outcome",
+                    "SELECT NULL, COUNT(*) FROM rollouts WHERE split = 'train' AND outcome IS NULL"):
+            for r in self.query(sql):
+                if r[1]:
+                    k = r[0] or "pending"
+                    totals[k] = totals.get(k, 0) + int(r[1])
+        return totals
 
     def eval_pass_rates(self) -> dict[str, list[tuple[int, float, int]]]:
         """split -> [(step, resolved share, rollouts)] for evaluation rollouts (split eval-*)."""

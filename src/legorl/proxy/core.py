@@ -94,7 +94,7 @@ class CallCore:
             limit = engine.max_context() if hasattr(engine, "max_context") else None
             raise ProxyError(_overflow_message(req.wire_format, len(bridged.prompt_ids), limit, e),
                              "context_overflow", param="messages") from None
-        except Exception as e:  # the engine failed: the harness sees a 500, the rollout is an engine_error
+        except Exception as e:  # noqa: BLE001 - the engine failed: a 500, and the rollout is an engine_error
             session.errors.append("engine_error")
             raise ProxyError(f"engine error: {type(e).__name__}: {e}", "engine_error") from None
         t_end = time.time()

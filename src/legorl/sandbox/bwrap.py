@@ -141,7 +141,9 @@ def bwrap_argv(
             argv += ["--ro-bind", str(host), str(host)]
     argv += ["--dev", "/dev", "--proc", "/proc"]
     tmp = ["--perms", "1777", *(["--size", str(limits.tmp_mb * MiB)] if limits.tmp_mb else []), "--tmpfs"]
-    argv += [*tmp, "/tmp", *tmp, "/dev/shm", "--symlink", "/tmp", "/var/tmp"]
+    argv += [*tmp, "/tmp", *tmp, "/dev/shm"]
+    if not any(p == Path("/var") or Path("/var") in p.parents for p in shown):
+        argv += ["--symlink", "/tmp", "/var/tmp"]
     if passwd_dir is not None:
         argv += ["--ro-bind", str(passwd_dir / "passwd"), "/etc/passwd"]
         argv += ["--ro-bind", str(passwd_dir / "group"), "/etc/group"]

@@ -98,15 +98,14 @@ def run_command(req: dict) -> dict:
     import os
     import signal
     import subprocess
-    import tempfile
 
     timeout = float(req.get("timeout", 30))
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     cwd = req.get("cwd") or WORKDIR[0]
-    # Output goes to a file, not a pipe: a background child that keeps the pipe open
-    # must not block the reply after the command itself finished.
-    with tempfile.TemporaryFile(dir="/tmp") as out:
+    # Output goes to an anonymous memory file, not a pipe: a background child that keeps a pipe open
+    # must not block the reply after the command itself finished, and a full /tmp must not eat it.
+    with open(os.memfd_create("legorl-out"), "w+b") as out:
         try:
             proc = subprocess.Popen(
                 ["bash", "-c", req["command"]],
@@ -237,7 +236,6 @@ def _warm_up() -> None:
     import os  # noqa: F401
     import socket  # noqa: F401
     import subprocess  # noqa: F401
-    import tempfile  # noqa: F401
 
 
 def main(argv: list) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,12 +62,16 @@ class Watch:
     violation: str = ""
     peak_memory_bytes: int = 0
     workspace_used_bytes: int = 0
+    on_kill: Callable[[], None] | None = None  # backends whose processes are not our children (docker)
     _next_walk: float = field(default=0.0, repr=False)
 
     def kill(self, reason: str) -> None:
         if not self.violation:
             self.violation = reason
-        kill_tree(self.pid)
+        if self.on_kill is not None:
+            self.on_kill()
+        else:
+            kill_tree(self.pid)
 
 
 class Watchdog:

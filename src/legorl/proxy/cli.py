@@ -1,0 +1,110 @@
+"""`legorl proxy`: the proxy on its own, recording any harness against an engine (e.g. to build SFT data).
+
+Import-light on purpose (the CLI imports this module on every start): everything heavy is
+imported inside the command.
+
+    legorl proxy --engine local --model RUN/checkpoints/latest --port 8000 --run-dir runs/rec
+    # OpenAI:    base_url http://127.0.0.1:8000/s/<any-session-id>/v1
+    # Anthropic: base_url http://127.0.0.1:8000/s/<any-session-id>
+    # or base_url http://127.0.0.1:8000/v1 with the session id as API key
+
+Sessions are opened on first use (ids of letters, digits, '.', '_' and '-'); every call is
+recorded to RUN_DIR/store.sqlite, and `legorl report RUN_DIR --json` checks its token fidelity.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+
+def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, cache_dir: Path) -> tuple[Any, Any]:
+    from legorl.engine import LocalEngine, ScriptedEngine
+    from legorl.models import ModelSpec, build_tokenizer, load_or_build, load_tokenizer
+
+    if engine == "local":
+        m, tok = load_or_build(model, ModelSpec(), cache_dir)
+        return LocalEngine(m, tok), tok
+    tok = load_tokenizer(model) if model is not None else build_tokenizer(cache_dir, ModelSpec().vocab_size)
+    replies = json.loads(script.read_text()) if script is not None else ["OK"]
+    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
+        raise typer.BadParameter(f"{script} must hold a JSON array of reply strings", param_hint="--script")
+
+    class ReplayEngine(ScriptedEngine):
+        """Plays the same replies in every session (cycling), from its first call on."""
+
+        async def generate(self, prompt_ids, params, *, rollout_id=""):  # type: ignore[no-untyped-def]
+            if rollout_id not in self._scripts:
+                self.set_script(rollout_id, lambda i, ids: replies[i % len(replies)])
+            return await super().generate(prompt_ids, params, rollout_id=rollout_id)
+
+    return ReplayEngine(tok), tok
+
+
+def proxy_command(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="where store.sqlite (every call) and the tokenizer go")],
+    engine: Annotated[str, typer.Option("--engine", help="local (a torch model) | scripted (replays --script)")]
+    = "local",
+    model: Annotated[Path | None, typer.Option("--model", help="local model dir (config.json + tokenizer); "
+                                                               "default: the built-in tiny model")] = None,
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port)")] = 8000,
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    unix_socket: Annotated[Path | None, typer.Option("--unix-socket", help="also listen on this Unix socket")]
+    = None,
+    served_model_name: Annotated[str, typer.Option("--served-model-name", help="the model name clients see")]
+    = "legorl-policy",
+    script: Annotated[Path | None, typer.Option("--script", help="scripted engine: JSON array of replies")] = None,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (overrides the harness's)")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling (overrides the harness's)")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="cap on completion tokens per call")] = 1024,
+    parser: Annotated[str, typer.Option(help="tool-call parser: tagged | hermes | qwen | qwen3_coder")] = "tagged",
+    cache_dir: Annotated[Path, typer.Option(help="tokenizer/model build cache")] = Path("~/.cache/legorl"),
+) -> None:
+    """Serve the LLM proxy standalone: any harness, any session id, every call recorded token-exactly."""
+    if engine not in ("local", "scripted"):
+        raise typer.BadParameter("choose local or scripted", param_hint="--engine")
+    if model is not None and not model.is_dir():
+        raise typer.BadParameter(f"{model} is not a local model directory", param_hint="--model")
+    import asyncio
+    import contextlib
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
+                           temperature, top_p, max_tokens, parser, cache_dir.expanduser()))
+
+
+async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int, host: str,
+                 unix_socket: Path | None, served: str, script: Path | None, temperature: float, top_p: float,
+                 max_tokens: int, parser: str, cache_dir: Path) -> None:
+    import asyncio
+
+    from legorl.proxy.server import Proxy, SamplingOverride
+    from legorl.proxy.toolcalls import get_parser
+    from legorl.store import Store
+
+    engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "tokenizer").exists():
+        tok.save_pretrained(run_dir / "tokenizer")  # lets `legorl report` check decode(ids) == text
+    store = Store(run_dir / "store.sqlite")
+    proxy = Proxy(engine, tok, sampling=SamplingOverride(temperature, top_p, max_tokens), model_name=served,
+                  on_call=store.add_call, parser=get_parser(parser), accept_new_sessions=True)
+    await proxy.start(host, port, unix_socket=unix_socket)
+    typer.echo(f"legorl proxy on http://{proxy.host}:{proxy.port} (model {served!r}, engine {engine_name})\n"
+               f"  OpenAI base URL:    {proxy.openai_base_url('<session>')}\n"
+               f"  Anthropic base URL: {proxy.anthropic_base_url('<session>')}\n"
+               f"  recording to {run_dir / 'store.sqlite'}; Ctrl-C to stop", err=True)
+    try:
+        await asyncio.Event().wait()
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        pass
+    finally:
+        await proxy.stop()
+        typer.echo(json.dumps(proxy.stats(), indent=2), err=True)
+        store.close()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,106 @@
+"""Codex CLI (the pinned npm package), unmodified, in a real bubblewrap sandbox, through the proxy.
+
+The scripted engine plays a short episode (read a file, edit it, run a check, finish) with the tool
+Codex declares in its own Responses request (`exec_command`); the test checks the captured calls
+token by token, the edit in the workspace, and that a Codex that never reaches its model is
+reported as such (no_model_calls), never as a success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from test_harness_claude_code import CALC, sandbox_kwargs, tool_names
+from test_proxy import check_fidelity
+
+from legorl.engine import ScriptedEngine
+from legorl.harness.base import HarnessRun
+from legorl.harness.claude_code import NPM_BIN
+from legorl.harness.codex import CodexHarness
+from legorl.models import render_tool_call_text
+from legorl.proxy.server import Proxy
+from legorl.records import Outcome
+from legorl.rollout.outcomes import EpisodeFacts, decide
+from legorl.sandbox import BwrapSandbox
+
+pytestmark = pytest.mark.skipif(not (NPM_BIN / "codex").exists() or shutil.which("bwrap") is None,
+                                reason="needs the pinned Codex CLI (make setup-test) and bubblewrap")
+
+
+def make_script(tokenizer, seen: list[str]):
+    def script(i: int, prompt_ids: list[int]) -> str:
+        prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        seen.append(prompt)
+        if "XML tags:\n<tools>" not in prompt:  # a side call: plain text
+            return "ok"
+        names = tool_names(prompt)
+        assert "exec_command" in names, f"Codex no longer declares exec_command: {names}"
+        step = prompt.count("<tool_response>")
+        if step == 0:
+            return "I will read the file.\n" + render_tool_call_text("exec_command", {"cmd": "cat calc.py"})
+        if step == 1:
+            return render_tool_call_text("exec_command", {"cmd": "sed -i 's/a - b/a + b/' calc.py"})
+        if step == 2:
+            return render_tool_call_text("exec_command",
+                                         {"cmd": "python -c 'import calc; print(calc.add(2, 3))'"})
+        return "Fixed: add now returns a + b (checked: prints 5)."
+    return script
+
+
+async def run_codex(tokenizer, tmp_path: Path, script, **harness_kw):
+    engine = ScriptedEngine(tokenizer)
+    calls = []
+    proxy = Proxy(engine, tokenizer, on_call=calls.append)
+    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text(CALC)
+    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-codex",
+                                    proxy_socket=proxy.unix_socket, **sandbox_kwargs())
+    harness = CodexHarness(timeout=240, retries=0, **harness_kw)
+    await harness.start()
+    session = proxy.open_session("r1")
+    engine.set_script("r1", script)
+    run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
+                     api_base=proxy.openai_base_url(session.token), api_key=session.token,
+                     model_name=proxy.model_name, control_socket=str(box.control_socket),
+                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{session.token}")
+    try:
+        result = await harness.run(run)
+    finally:
+        proxy.close_session(session.token)
+        await harness.close()
+        await box.close()
+        await proxy.stop()
+    return result, session, calls, (ws / "calc.py").read_text()
+
+
+def test_codex_plays_an_episode_through_the_proxy(tokenizer, tmp_path):
+    seen: list[str] = []
+    result, session, calls, calc = asyncio.run(run_codex(tokenizer, tmp_path, make_script(tokenizer, seen)))
+    assert result.exit_status == "Submitted", (result, seen[-1][-3000:] if seen else None)
+    assert calc == CALC.replace("a - b", "a + b")
+    main = [c for c in calls if c.tool_calls or "Fixed" in c.completion_text]
+    assert [c.tool_calls[0].name for c in main if c.tool_calls] == ["exec_command"] * 3
+    assert all(c.wire_format == "openai_responses" for c in calls)
+    check_fidelity(tokenizer, calls)
+    idx = [c.index for c in main]
+    assert [c.parent_index for c in main[1:]] == idx[:-1], [(c.index, c.parent_index, c.segment_break)
+                                                             for c in calls]
+    assert "return a - b" in seen[-3]  # cat's output reached the model
+    assert "Fixed" in result.messages[-1]["content"]
+    outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
+    assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+
+
+def test_codex_without_model_calls_is_no_model_calls(tokenizer, tmp_path):
+    # A provider without a reachable base URL: Codex exits without reaching its model.
+    result, session, calls, calc = asyncio.run(
+        run_codex(tokenizer, tmp_path, lambda i, ids: "unused", extra_args=["-c", "model_provider=nowhere"]))
+    assert result.exit_status != "Submitted" and result.error
+    assert session.n_calls == 0 and calls == [] and calc == CALC
+    outcome, reason = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
+    assert outcome == Outcome.NO_MODEL_CALLS, reason

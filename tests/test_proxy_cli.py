@@ -1,0 +1,61 @@
+"""`legorl proxy` standalone: new session ids on first use, every call recorded, `legorl report` fidelity."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import openai
+
+from legorl.models import render_tool_call_text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_standalone_proxy_records_any_harness(tmp_path, cache_dir):
+    script = tmp_path / "replies.json"
+    script.write_text(json.dumps([render_tool_call_text("bash", {"command": "ls"}), "done"]))
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    legorl = str(Path(sys.executable).with_name("legorl"))
+    proc = subprocess.Popen([legorl, "proxy", "--engine", "scripted", "--script", str(script), "--port", str(port),
+                             "--run-dir", str(run_dir), "--cache-dir", str(cache_dir)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.3)
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/s/sft-1/v1", api_key="unused")
+        msgs = [{"role": "user", "content": "list files"}]
+        r = oa.chat.completions.create(model="any", messages=msgs, tools=[{"type": "function", "function": {
+            "name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}])
+        tc = r.choices[0].message.tool_calls[0]
+        assert tc.function.name == "bash"
+        an = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sft-2")
+        m = an.messages.create(model="any", max_tokens=50, messages=[{"role": "user", "content": "hi"}],
+                               tools=[{"name": "bash", "input_schema": {"type": "object"}}])
+        assert m.content[0].type == "tool_use"  # each session replays the script from its start
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    stats = json.loads(err[err.index("{"):])
+    assert stats["calls"] == 2 and stats["by_format"] == {"openai_chat": 1, "anthropic_messages": 1}
+    out = subprocess.run([legorl, "report", str(run_dir), "--json"], capture_output=True, text=True, check=True)
+    fid = json.loads(out.stdout)["fidelity"]
+    assert fid["checked"] == 2 and fid["violations"] == 0
+    assert (fid["segments"], fid["bridge_hits"], fid["drift_prevented"]) == (2, 0, 0)

@@ -1,0 +1,118 @@
+"""Rollouts that survive: chaos mode end to end, and SIGKILL of the driver followed by --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sampling.max_tokens=32",
+       "harness.step_limit=2", "tasks.n_train=6", "tasks.n_heldout=1"]
+
+
+def legorl(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "legorl.cli", *args], capture_output=True, text=True, **kw)
+
+
+def report(run_dir: Path) -> dict:
+    p = legorl("report", str(run_dir), "--json", timeout=120, check=True)
+    return json.loads(p.stdout)
+
+
+def run_processes(run_dir: Path) -> list[str]:
+    """Processes that belong to a run: its sandboxes (bwrap) and harness workers."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in cmd and ("bwrap" in cmd or "mini_worker" in cmd):
+            found.append(f"{proc.name}: {cmd[:120]}")
+    return found
+
+
+def test_chaos_run_completes_and_never_trains_on_failures(tmp_path, cache_dir):
+    run_dir = tmp_path / "chaos"
+    p = legorl("train", "--config", str(ROOT / "configs/chaos.yaml"), "--run-dir", str(run_dir),
+               f"run.cache_dir={cache_dir}", *TOY, "rollout.agent_timeout=20",
+               "faults.harness_crash=0.3", "faults.no_model_calls=0.3", "faults.grader_crash=0.3",
+               "faults.disk_full=0.2", "faults.engine_exception=0.2", timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = report(run_dir)
+    assert rep["steps"] == 2
+    assert rep["fidelity"]["violations"] == 0
+    assert rep["integrity"]["untraceable_samples"] == 0 and rep["integrity"]["trained_from_masked"] == 0
+    assert rep["faults"].get("harness_crash") and rep["faults"].get("no_model_calls")
+    # a rollout hit by exactly one fault ends in that fault's outcome (or was cancelled as a straggler)
+    expected = {"harness_crash": "agent_crash", "no_model_calls": "no_model_calls", "harness_hang": "agent_timeout",
+                "disk_full": "sandbox_error", "grader_crash": "grader_error"}
+    con = sqlite3.connect(run_dir / "store.sqlite")
+    checked = 0
+    for outcome, reason in con.execute("SELECT outcome, outcome_reason FROM rollouts WHERE outcome_reason "
+                                       "LIKE '%[injected:%'"):
+        faults = [f.strip() for f in reason.rsplit("[injected:", 1)[1].rstrip("]").split(",")]
+        if len(faults) == 1 and faults[0] in expected and not reason.startswith("cancelled"):
+            assert outcome == expected[faults[0]], (faults, outcome, reason)
+            checked += 1
+    assert checked >= 3
+    # masked outcomes never carry a reward
+    bad = con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome NOT IN ('resolved', 'unresolved', 'max_turns')"
+                      " AND reward IS NOT NULL").fetchone()[0]
+    assert bad == 0
+    assert not run_processes(run_dir)
+
+
+def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
+           "--run-dir", str(run_dir), f"run.cache_dir={cache_dir}", *TOY, "run.steps=3",
+           "rollout.tasks_per_step=2", "rollout.group_size=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = run_dir / "store.sqlite"
+    deadline = time.time() + 600
+    killed_during = None
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        if not db.exists():
+            continue
+        try:
+            con = sqlite3.connect(db, timeout=5)
+            steps = con.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+            live = con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL AND step >= 1").fetchone()[0]
+            con.close()
+        except sqlite3.Error:
+            continue
+        if steps >= 1 and live > 0:  # step 0 done, step 1's rollouts in flight
+            killed_during = steps
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    if killed_during is None:
+        pytest.fail("the run finished or stalled before it could be killed mid-step")
+    time.sleep(1.0)  # sandboxes die with their parent; workers exit when their stdin closes
+    assert not run_processes(run_dir), "processes of the killed run survived"
+
+    p = legorl("train", "--resume", str(run_dir), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = report(run_dir)
+    assert rep["steps"] == 3
+    con = sqlite3.connect(db)
+    assert [r[0] for r in con.execute("SELECT step FROM steps ORDER BY step")] == [0, 1, 2]
+    versions = [json.loads(r[0])["weight_version"] for r in con.execute("SELECT metrics_json FROM steps ORDER BY step")]
+    assert versions == sorted(versions) and len(set(versions)) == 3  # continuous, no step done twice
+    assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL").fetchone()[0] == 0
+    trained_steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM trained_samples ORDER BY step")]
+    assert set(trained_steps) <= {0, 1, 2}
+    assert rep["integrity"]["trained_from_masked"] == 0 and rep["integrity"]["untraceable_samples"] == 0
+    assert not run_processes(run_dir)
