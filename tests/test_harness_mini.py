@@ -41,8 +41,8 @@ def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenize
     def broken(task):  # an "agent" that says it is done without calling any tool
         return ["I think it is fine."] * 3
 
-    results, store = asyncio.run(_episodes(
-        tokenizer, tmp_path, [teacher_script, lambda t: teacher_script(t, solve=False), broken]))
+    scripts = [lambda t: teacher_script(t, run_tests=True), lambda t: teacher_script(t, solve=False), broken]
+    results, store = asyncio.run(_episodes(tokenizer, tmp_path, scripts))
     (t_ok, good), (_, wrong), (_, no_tool) = results
 
     assert good.outcome == Outcome.RESOLVED, (good.outcome_reason, good.report)

@@ -75,8 +75,12 @@ def function_name(task: Task, edit: LineEdit) -> str:
     return names[-1] if names else edit.path.rsplit("/", 1)[-1].removesuffix(".py")
 
 
-def teacher_script(task: Task, solve: bool = True) -> list[str]:
-    """Assistant turns for one episode. solve=False reads and submits without fixing."""
+def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> list[str]:
+    """Assistant turns for one episode. solve=False reads and submits without fixing.
+
+    run_tests adds a `pytest` turn before submitting; off by default because its output
+    makes episodes much longer for the small embedded model.
+    """
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
     read = f"nl -ba {edit.path}" if line else f"cat {edit.path}"  # line numbers when the fix needs one
@@ -86,6 +90,7 @@ def teacher_script(task: Task, solve: bool = True) -> list[str]:
     ]
     if solve:
         turns.append(_turn("This line is wrong. Let me fix it.", sed_command(edit, line)))
-        turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
+        if run_tests:
+            turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
     turns.append(_turn("Done. Let me submit.", SUBMIT))
     return turns
