@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_tasks import make_swebench_jsonl, make_task_dirs
+from test_tasks import make_swebench_jsonl
 
 from legorl.grading.validate import hidden_test_lookup
-from legorl.tasks import generate_tasks, load_tasks
+from legorl.tasks import generate_tasks
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 LEGORL = [sys.executable, "-m", "legorl.cli"]
@@ -36,14 +36,6 @@ def test_validate_swebench_file_from_a_real_package(tmp_path: Path) -> None:
         assert column in p.stdout
 
 
-def test_validate_builtin_and_harbor_dirs(tmp_path: Path) -> None:
-    p = cli("tasks", "validate", "builtin:1", "--concurrency", "3")
-    assert p.returncode == 0 and "1 passed every check" in p.stdout, p.stdout + p.stderr
-    p = cli("tasks", "validate", str(make_task_dirs(tmp_path)), "--concurrency", "3",
-            "--canary", "conftest_hook", "--canary", "hidden_test_lookup")  # fmt: skip
-    assert p.returncode == 0 and "2 tasks, 2 passed every check" in p.stdout, p.stdout + p.stderr
-
-
 def test_validate_fails_a_broken_task_and_a_leak(tmp_path: Path) -> None:
     task = generate_tasks(["wrong_operator"], 1, seed=11)[0]
     wrong_gold = task.model_copy(update={"patch": "", "instance_id": "broken-gold"})
@@ -59,20 +51,3 @@ def test_validate_fails_a_broken_task_and_a_leak(tmp_path: Path) -> None:
     work = Path(tempfile.mkdtemp(dir=tmp_path))
     check = asyncio.run(hidden_test_lookup(task, work, [], visible_paths=(leak,)))
     assert not check.ok and "copy.py" in check.detail
-
-
-def test_grade_cli_json(tmp_path: Path) -> None:
-    task = load_tasks("builtin:1")[0]
-    patch = tmp_path / "gold.diff"
-    patch.write_text(task.patch)
-    p = cli("grade", "--tasks", "builtin:1", "--instance", task.instance_id, "--patch", str(patch), "--json")
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    assert out["resolved"] is True and out["outcome"] == "resolved" and out["dropped_paths"] == []
-    assert set(out["tests"].values()) == {"passed"}
-    hack = "diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n--- /dev/null\n+++ b/conftest.py\n@@ -0,0 +1 @@\n+x = 1\n"
-    p = cli("grade", "--tasks", "builtin:1", "--instance", task.instance_id, "--patch", "-", "--json", stdin=hack)
-    out = json.loads(p.stdout)
-    assert p.returncode == 1 and out["resolved"] is False and out["dropped_paths"] == ["conftest.py"]
-    p = cli("grade", "--tasks", "builtin:1", "--instance", "nope", "--patch", str(patch))
-    assert p.returncode == 2 and "no task 'nope'" in p.stderr

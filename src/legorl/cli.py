@@ -69,7 +69,7 @@ def evaluate(
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where to record the eval rollouts")] = None,
 ) -> None:
     """Evaluate a model on a task split through the real harness: pass@1, pass@k, outcome counts."""
-    overrides = list(ctx.args) + [f"eval.split={split}", f"eval.samples={samples}"]
+    overrides = list(ctx.args) + [f"eval.split={split}", f"eval.samples={samples}", "monitor.dashboard=false"]
     if model is not None:
         overrides.append(f"model.path={model.resolve()}")
     try:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from legorl.monitor.config import MonitorConfig
+
 
 class ConfigError(Exception):
     """A bad config: the message is one line naming the key and the fix."""
@@ -40,13 +42,19 @@ class SamplingConfig(_Section):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
     max_tokens: int = Field(256, gt=0)
 
 
 class EngineConfig(_Section):
-    kind: Literal["local", "scripted"] = "local"
-    max_batch: int = Field(8, gt=0)
+    """Where tokens come from: the embedded engine, vLLM / SGLang servers, or a scripted teacher."""
+
+    kind: Literal["local", "scripted", "vllm", "sglang"] = "local"
+    max_batch: int = Field(16, gt=0)  # local: sequences decoded together
+    prefix_cache_mb: float = Field(512.0, ge=0)  # local: KV kept for prompts that extend earlier calls
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    urls: list[str] = Field(default_factory=list)  # vllm / sglang: one URL per server
+    checkpoint_dir: str | None = None  # vllm / sglang: shared-disk directory the servers reload weights from
 
 
 class ProxyConfig(_Section):
@@ -171,6 +179,7 @@ class Config(_Section):
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     faults: FaultsConfig = FaultsConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
 
 def _parse_value(text: str) -> Any:

@@ -24,9 +24,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from legorl.config import Config
-from legorl.engine import LocalEngine, ScriptedEngine
+from legorl.engine import LocalEngine, ScriptedEngine, SGLangEngine, VLLMEngine
 from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.models import ModelSpec, load_or_build, save_model
+from legorl.monitor.alarms import AlarmMonitor
+from legorl.monitor.behaviour import step_metrics as behaviour_metrics
+from legorl.monitor.loggers import make_loggers
+from legorl.monitor.server import serve_dashboard
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import Outcome, Rollout, TrainingSequence
 from legorl.rollout.episode import EpisodeContext
@@ -99,12 +103,7 @@ class Driver:
         policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
-        if cfg.engine.kind == "scripted":
-            self.engine = ScriptedEngine(self.tokenizer)
-        else:
-            engine_model, _ = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
-                                                      self.cache_dir)
-            self.engine = LocalEngine(engine_model, self.tokenizer, max_batch=cfg.engine.max_batch)
+        self.engine = await self._make_engine()
         if faults_enabled(cfg.faults):
             self.engine = FaultyEngine(self.engine, cfg.faults)
         t = cfg.trainer
@@ -117,6 +116,13 @@ class Driver:
                            sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens),
                            on_call=self.store.add_call)
         await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
+        m = cfg.monitor
+        self.loggers = make_loggers(m.loggers, self.run_dir, cfg.model_dump())
+        self.alarms = AlarmMonitor(m.alarms, self.run_dir)
+        self.stop_dashboard = None
+        if m.dashboard:
+            url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
+            console.print(f"dashboard: [bold]{url}[/]")
         self.harness = MiniSweAgentHarness(cfg.harness, command_timeout=cfg.sandbox.command_timeout,
                                            log_dir=self.run_dir / "logs")
         await self.harness.start()
@@ -133,6 +139,20 @@ class Driver:
         self.runner = GroupRunner(self.ctx, concurrency=cfg.rollout.concurrency,
                                   max_retries=cfg.rollout.max_retries, backoff=cfg.rollout.retry_backoff)
         return self
+
+    async def _make_engine(self) -> Any:
+        e = self.cfg.engine
+        if e.kind == "scripted":
+            return ScriptedEngine(self.tokenizer)
+        if e.kind in ("vllm", "sglang"):
+            if not e.urls:
+                raise ValueError(f"engine.kind is {e.kind} but engine.urls is empty: give one URL per server")
+            cls = VLLMEngine if e.kind == "vllm" else SGLangEngine
+            return cls(e.urls, checkpoint_dir=e.checkpoint_dir, base_model_dir=self.cfg.model.path,
+                       vocab_size=len(self.tokenizer))
+        model, _ = await asyncio.to_thread(load_or_build, self.cfg.model.path, model_spec(self.cfg), self.cache_dir)
+        return LocalEngine(model, self.tokenizer, max_batch=e.max_batch, prefix_cache_mb=e.prefix_cache_mb,
+                           num_threads=e.torch_threads or None)
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         ckpts = sorted((self.run_dir / "checkpoints").glob("step-*"))
@@ -157,7 +177,11 @@ class Driver:
         console.print(f"resuming after step {last}: {changes}")
 
     async def __aexit__(self, *exc: object) -> None:
-        for closer in (self.harness.close, self.proxy.stop, self.engine.close):
+        self.loggers.close()
+        closers = [self.harness.close, self.proxy.stop, self.engine.close]
+        if self.stop_dashboard is not None:
+            closers.append(self.stop_dashboard)
+        for closer in closers:
             try:
                 await closer()
             except Exception as e:  # keep closing the rest
@@ -238,13 +262,16 @@ class Driver:
         metrics = rollout_metrics(rollouts)
         metrics.update(group_metrics)
         metrics.update(seq_metrics)
+        metrics.update(behaviour_metrics(rollouts))
         metrics.update(train_metrics)
         metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
                         "time/step_s": time.time() - t0, "weight_version": float(version)})
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint, step)
+        metrics.update(self.alarms.metrics(self.alarms.update(step, metrics, rollouts)))
         self.store.add_trained(step, trained)
         self.store.add_step(step, metrics)  # after the checkpoint: a recorded step is never redone
+        self.loggers.log(step, metrics)
         return StepResult(step, rollouts, metrics)
 
     def save_checkpoint(self, step: int) -> Path:

@@ -35,6 +35,7 @@ GRADED_OUTCOMES = frozenset({Outcome.RESOLVED, Outcome.UNRESOLVED, Outcome.MAX_T
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off; applied before top_p (see engine/sampling.py)
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

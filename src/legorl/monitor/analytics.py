@@ -21,19 +21,30 @@ OUTCOMES = [o.value for o in Outcome]
 log = logging.getLogger("legorl.alarms")
 
 
+MAX_POINTS = 600  # longer runs are thinned to every k-th step (and the last) per chart
+
+
+def _thin(n: int) -> list[int] | None:
+    if n <= MAX_POINTS:
+        return None
+    k = -(-n // MAX_POINTS)
+    idx = list(range(0, n, k))
+    return idx if idx[-1] == n - 1 else idx + [n - 1]
+
+
 def chart(cid: str, title: str, x: list[int], series: dict[str, list[float | None]], kind: str = "line",
           **extra: Any) -> dict[str, Any]:
+    keep = _thin(len(x))
+    if keep is not None:
+        x = [x[i] for i in keep]
+        series = {k: [v[i] for i in keep] for k, v in series.items()}
     return {"id": cid, "title": title, "kind": kind, "x": x,
             "series": [{"name": k, "values": v} for k, v in series.items() if any(y is not None for y in v)],
-            **extra}
+            **({"thinned": True} if keep is not None else {}), **extra}
 
 
 def _get(ms: list[dict[str, float]], key: str) -> list[float | None]:
-    out: list[float | None] = []
-    for m in ms:
-        v = m.get(key)
-        out.append(float(v) if isinstance(v, (int, float)) else None)
-    return out
+    return [m.get(key) for m in ms]  # the store's metrics are cleaned to finite floats on load (RunDB.steps)
 
 
 def _ratio(a: list[float | None], b: list[float | None], scale: float = 1.0) -> list[float | None]:

@@ -10,6 +10,7 @@ changes (its file and WAL sizes and times are the cache key).
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -36,9 +37,18 @@ INDEXES = (
 )
 
 SORTABLE = {"step": "step", "task": "task_id", "harness": "harness", "outcome": "outcome", "reward": "reward",
-            "split": "split", "updated": "updated", "id": "id", "created": "rowid"}
+            "split": "split", "updated": "updated", "id": "rowid", "created": "rowid"}
 LIST_COLS = ("id, step, task_id, group_id, sample_index, harness, split, outcome, outcome_reason, reward, "
              "weight_version_start, weight_version_end, timings_json, updated")
+
+
+def clean_metrics(m: dict[str, Any]) -> dict[str, float]:
+    """Finite numbers only, to 6 significant digits (charts need no more; JSON has no NaN)."""
+    out = {}
+    for k, v in m.items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            out[k] = float(f"{v:.6g}")
+    return out
 
 
 class StoreMissing(FileNotFoundError):
@@ -57,6 +67,28 @@ class RolloutFilter:
     reward_min: float | None = None
     reward_max: float | None = None
     masked: bool | None = None  # True: only rollouts without a reward (masked); False: only rewarded
+
+    def columns(self) -> set[str]:
+        cols = {"step": self.step is not None or self.step_min is not None or self.step_max is not None,
+                "task_id": bool(self.task), "harness": bool(self.harness), "outcome": bool(self.outcome),
+                "split": bool(self.split), "reward": self.reward_min is not None or self.reward_max is not None
+                or self.masked is not None}
+        return {c for c, used in cols.items() if used} | ({"outcome"} if self.masked else set())
+
+    def covering_index(self, sort_col: str) -> str | None:
+        """None when a plain index seek serves this filter and sort; else the covering index to scan once."""
+        used = self.columns() | ({sort_col} if sort_col != "rowid" else set())
+        if self.step is not None:
+            return None  # one step is a small range of rollouts_step
+        seekable = ({"step"}, {"outcome", "step"}, {"harness", "step"}, {"reward", "step"}, {"split", "step"},
+                    {"split", "step", "outcome"})
+        if not self.task and any(used <= s for s in seekable):
+            return None
+        if used <= {"task_id", "step"}:
+            return "monitor_rollouts_task_step"
+        if used <= {"outcome", "harness", "split", "reward", "step", "task_id", "updated"}:
+            return "monitor_rollouts_filter"
+        return None
 
     def where(self) -> tuple[str, list[Any]]:
         clauses: list[str] = []
@@ -134,10 +166,14 @@ class RunDB:
             for sql in INDEXES:
                 conn.execute(sql)
             conn.commit()
+            self.indexed = True
         except sqlite3.OperationalError:
-            pass  # a read-only copy of a run: pages still work, filters scan
+            self.indexed = False  # a read-only copy of a run: pages still work, filters scan
         finally:
             conn.close()
+
+    def _by(self, index: str) -> str:
+        return f" INDEXED BY {index}" if self.indexed else ""
 
     # ---- connections and caching ---------------------------------------------------------------
     def conn(self) -> sqlite3.Connection:
@@ -189,7 +225,7 @@ class RunDB:
                     chunk = stale[i:i + 500]
                     marks = ", ".join("?" * len(chunk))
                     for r in self.query(f"SELECT step, t, metrics_json FROM steps WHERE step IN ({marks})", chunk):
-                        self._steps[int(r[0])] = (float(r[1] or 0.0), json.loads(r[2] or "{}"))
+                        self._steps[int(r[0])] = (float(r[1] or 0.0), clean_metrics(json.loads(r[2] or "{}")))
                 for st in set(self._steps) - set(stamps):
                     del self._steps[st]
                 return [(st, *self._steps[st]) for st in sorted(self._steps)]
@@ -217,10 +253,18 @@ class RunDB:
         direction = "DESC" if desc else "ASC"
         per_page = max(1, min(per_page, 500))
         page = max(1, page)
-        ids = [int(r[0]) for r in self.query(
-            f"SELECT rowid FROM rollouts{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
-            params + [per_page, (page - 1) * per_page])]
-        total = int(self.query(f"SELECT COUNT(*) FROM rollouts{where}", params)[0][0])
+        offset = (page - 1) * per_page
+        hint = f.covering_index(col) if self.indexed else None
+        if hint is None:  # a seekable filter: SQLite walks one index in order and stops after the page
+            ids = [int(r[0]) for r in self.query(
+                f"SELECT rowid FROM rollouts{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
+                params + [per_page, offset])]
+            total = int(self.query(f"SELECT COUNT(*) FROM rollouts{where}", params)[0][0])
+        else:  # one pass over a covering index gives the count and the order at once
+            keyed = self.query(f"SELECT rowid, {col} FROM rollouts{self._by(hint)}{where}", params)
+            total = len(keyed)
+            keyed.sort(key=lambda r: (r[1] is not None, r[1], r[0]), reverse=desc)
+            ids = [int(r[0]) for r in keyed[offset:offset + per_page]]
         by_rowid: dict[int, dict[str, Any]] = {}
         if ids:
             marks = ", ".join("?" * len(ids))
@@ -241,14 +285,14 @@ class RunDB:
         return Page(rows=rows, total=total, page=page, per_page=per_page, facets=self.facets())
 
     def facets(self) -> dict[str, list[str]]:
-        """Distinct values for the filter drop-downs (index-only scans, cached)."""
-        def load() -> dict[str, list[str]]:
-            def distinct(col: str) -> list[str]:
-                return [str(r[0]) for r in self.query(f"SELECT DISTINCT {col} FROM rollouts WHERE {col} IS NOT NULL "
-                                                      f"ORDER BY {col} LIMIT 500")]
-            return {"harness": distinct("harness"), "outcome": distinct("outcome"), "split": distinct("split")}
+        """Distinct values for the filter drop-downs: one index seek per value (a loose index scan)."""
+        def distinct(col: str) -> list[str]:
+            rows = self.query(f"WITH RECURSIVE d(v) AS (SELECT MIN({col}) FROM rollouts UNION ALL "
+                              f"SELECT (SELECT MIN({col}) FROM rollouts WHERE {col} > d.v) FROM d "
+                              "WHERE d.v IS NOT NULL) SELECT v FROM d WHERE v IS NOT NULL LIMIT 500")
+            return [str(r[0]) for r in rows]
 
-        return self.cached(("facets",), load)
+        return self.cached(("facets",), lambda: {c: distinct(c) for c in ("harness", "outcome", "split")})
 
     def rollout(self, rollout_id: str) -> dict[str, Any] | None:
         rows = self.query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
@@ -310,7 +354,8 @@ class RunDB:
         for sql in ("SELECT outcome, COUNT(*) FROM rollouts WHERE split < 'train' GROUP BY outcome",
                     "SELECT outcome, COUNT(*) FROM rollouts WHERE split > 'train' GROUP BY outcome",
                     "SELECT outcome, COUNT(*) FROM rollouts WHERE split IS NULL GROUP BY outcome",
-                    "SELECT NULL, COUNT(*) FROM rollouts WHERE split = 'train' AND outcome IS NULL"):
+                    (f"SELECT NULL, COUNT(*) FROM rollouts{self._by('monitor_rollouts_outcome_step')} "
+                     "WHERE outcome IS NULL AND split = 'train'")):
             for r in self.query(sql):
                 if r[1]:
                     k = r[0] or "pending"

@@ -133,15 +133,16 @@ def bwrap_argv(
                 out += ["--perms", "0755", "--dir", str(parent)]
         return out
 
-    for host in shown:
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    tmp = ["--perms", "1777", *(["--size", str(limits.tmp_mb * MiB)] if limits.tmp_mb else []), "--tmpfs"]
+    argv += [*tmp, "/tmp", *tmp, "/dev/shm"]
+    made.add("/tmp")
+    for host in shown:  # after /tmp: a visible path below /tmp is bound on top of the private tmpfs
         argv += parents(str(host))
         if host.is_symlink():
             argv += ["--symlink", os.readlink(host), str(host)]
         else:
             argv += ["--ro-bind", str(host), str(host)]
-    argv += ["--dev", "/dev", "--proc", "/proc"]
-    tmp = ["--perms", "1777", *(["--size", str(limits.tmp_mb * MiB)] if limits.tmp_mb else []), "--tmpfs"]
-    argv += [*tmp, "/tmp", *tmp, "/dev/shm"]
     if not any(p == Path("/var") or Path("/var") in p.parents for p in shown):
         argv += ["--symlink", "/tmp", "/var/tmp"]
     if passwd_dir is not None:
