@@ -227,13 +227,13 @@ def test_verdict_needs_stream_exit_code_and_junit_to_agree() -> None:
     ok = decide(good, ["t.py::a", "t.py::b"], exit_code=0, timed_out=False, junit=junit_ok)
     assert ok.resolved and ok.tests == {"t.py::a": "passed", "t.py::b": "passed"}  # `b` covers its parameters
     cases = {
-        "exit status rewritten": dict(exit_code=1),
-        "timed out": dict(timed_out=True),
-        "JUnit report is unusable": dict(junit=None),
-        "disagrees": dict(junit={**junit_ok, ("t", "a"): "failed"}),
+        "exit status rewritten": {"exit_code": 1},
+        "timed out": {"timed_out": True},
+        "JUnit report is unusable": {"junit": None},
+        "disagrees": {"junit": {**junit_ok, ("t", "a"): "failed"}},
     }
     for reason, change in cases.items():
-        kw = dict(exit_code=0, timed_out=False, junit=junit_ok) | change
+        kw = {"exit_code": 0, "timed_out": False, "junit": junit_ok} | change
         v = decide(good, ["t.py::a"], **kw)
         assert v.outcome == Outcome.UNRESOLVED and reason in v.reason, (reason, v.reason)
     failing = _events(*_passed(ids[0]), (ids[1], "setup", "passed"), (ids[1], "call", "failed"),

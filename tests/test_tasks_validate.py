@@ -22,8 +22,9 @@ LEGORL = [sys.executable, "-m", "legorl.cli"]
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*LEGORL, *args], capture_output=True, text=True, input=stdin, timeout=600,
-                          env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*LEGORL, *args], capture_output=True, text=True, input=stdin, timeout=600, env=env,
+                          check=False)  # fmt: skip
 
 
 def test_validate_swebench_file_from_a_real_package(tmp_path: Path) -> None:

@@ -19,7 +19,17 @@ _EXPORTS = {
     "validate_task": "legorl.grading.validate",
     "validate_tasks": "legorl.grading.validate",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "filter_diff",
+    "filter_diff_detailed",
+    "grade",
+    "is_test_path",
+    "junit_key",
+    "parse_junit",
+    "validate_task",
+    "validate_tasks",
+    "workspace_diff",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
+from legorl.grading.junit import parse_junit_text, to_junit_xml
 from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
 from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer
 from legorl.grading.tamper import scan

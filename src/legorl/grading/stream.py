@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 PLUGIN_SOURCE = Path(__file__).with_name("verifier_plugin.py")
 PLUGIN_MODULE = "legorl_verifier"
@@ -131,7 +132,7 @@ class ResultServer:
         self._done = asyncio.Event()
         self._connections = 0
 
-    async def __aenter__(self) -> ResultServer:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path), limit=MAX_LINE)
         os.chmod(self.socket_path, 0o666)  # the sandbox's uid connects
         return self

@@ -18,6 +18,7 @@ import hmac
 import html
 import ipaddress
 import json
+import math
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Generator
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from legorl.monitor import analytics
@@ -86,6 +87,28 @@ def _page(page: str, title: str, run_name: str, data: dict[str, str] | None = No
 <script src="/static/charts.js"></script><script src="/static/app.js"></script>
 </body></html>"""
     return HTMLResponse(body)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact JSON; NaN and infinities (which JSON lacks) become null."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 def _num(v: str | None, kind: type = int) -> Any:
@@ -152,43 +175,43 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
         return {"ok": True, "run_dir": str(run_dir)}
 
     @app.get("/api/overview")
-    def api_overview() -> JSONResponse:
-        return JSONResponse(db.cached(("overview",), lambda: analytics.overview(db)))
+    def api_overview() -> Response:
+        return _json(db.cached(("overview",), lambda: json_bytes(analytics.overview(db))))
 
     @app.get("/api/rollouts")
     def api_rollouts(step: str | None = None, step_min: str | None = None, step_max: str | None = None,
                      task: str | None = None, harness: str | None = None, outcome: str | None = None,
                      split: str | None = None, reward_min: str | None = None, reward_max: str | None = None,
                      masked: str | None = None, sort: str = "step", order: str = "desc", page: int = 1,
-                     per_page: int = 50) -> JSONResponse:
+                     per_page: int = 50) -> Response:
         f = RolloutFilter(step=_num(step), step_min=_num(step_min), step_max=_num(step_max), task=task or None,
                           harness=harness or None, outcome=outcome or None, split=split or None,
                           reward_min=_num(reward_min, float), reward_max=_num(reward_max, float),
                           masked={"1": True, "true": True, "0": False, "false": False}.get(masked or ""))
         p = db.rollouts_page(f, sort=sort, desc=order != "asc", page=page, per_page=per_page)
-        return JSONResponse({"rows": p.rows, "total": p.total, "page": p.page, "per_page": p.per_page,
-                             "facets": p.facets})
+        return _json(json_bytes({"rows": p.rows, "total": p.total, "page": p.page, "per_page": p.per_page,
+                                 "facets": p.facets}))
 
     @app.get("/api/rollout/{rollout_id}")
-    def api_rollout(rollout_id: str) -> JSONResponse:
+    def api_rollout(rollout_id: str) -> Response:
         t = trajectory(db, rollout_id, decoder)
         if t is None:
             raise HTTPException(404, f"no rollout {rollout_id!r} in this run")
-        return JSONResponse(t)
+        return _json(json_bytes(t))
 
     @app.get("/api/failures")
-    def api_failures(split: str = "train") -> JSONResponse:
+    def api_failures(split: str = "train") -> Response:
         s = None if split in ("", "all") else split
         infra = tuple(board.cfg.infra_outcomes)
-        return JSONResponse(db.cached(("failures", s), lambda: analytics.failures(db, s, infra)))
+        return _json(db.cached(("failures", s), lambda: json_bytes(analytics.failures(db, s, infra))))
 
     @app.get("/api/behaviour")
-    def api_behaviour() -> JSONResponse:
-        return JSONResponse(db.cached(("behaviour",), lambda: analytics.behaviour(cache)))
+    def api_behaviour() -> Response:
+        return _json(db.cached(("behaviour",), lambda: json_bytes(analytics.behaviour(cache))))
 
     @app.get("/api/alarms")
-    def api_alarms() -> JSONResponse:
-        return JSONResponse(db.cached(("alarms",), board.alarms))
+    def api_alarms() -> Response:
+        return _json(db.cached(("alarms",), lambda: json_bytes(board.alarms())))
 
     return app
 

@@ -113,13 +113,14 @@ def bwrap_argv(
     env: dict[str, str] | None = None,
     extra_binds: dict[str, Path] | None = None,
     ro_binds: dict[str, Path] | None = None,
-    limits: SandboxLimits = SandboxLimits(),
+    limits: SandboxLimits | None = None,
     inside_workspace: str = INSIDE_WORKSPACE,
     visible: Sequence[Path | str] = (),
     empty_dir: Path | None = None,
     passwd_dir: Path | None = None,
     drop_to: tuple[int, int] | None = None,
 ) -> list[str]:
+    limits = limits or SandboxLimits()
     argv = ["bwrap", "--tmpfs", "/"]
     shown = visible_paths(visible)
     made: set[str] = set()

@@ -39,7 +39,9 @@ def docker_unavailable(docker: str = "docker") -> str | None:
     if exe is None:
         return f"the {docker} CLI is not installed"
     try:
-        p = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=10)
+        p = subprocess.run(
+            [exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=10, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"`{docker} info` failed: {e}"
     if p.returncode != 0:

@@ -115,7 +115,7 @@ def run_command(req: dict) -> dict:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_cpu_limit if CPU_LIMIT[0] else None,
+                preexec_fn=_cpu_limit if CPU_LIMIT[0] else None,  # noqa: PLW1509 - only setrlimit runs there
             )
         except OSError as e:
             return {"output": f"failed to start command: {e}", "returncode": 127, "timed_out": False}

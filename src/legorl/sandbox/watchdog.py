@@ -101,7 +101,7 @@ class Watchdog:
             if watches:
                 try:
                     self.check(watches)
-                except Exception:  # noqa: BLE001 - the watchdog must outlive any one bad tick
+                except Exception:  # noqa: BLE001, S110 - the watchdog must outlive any one bad tick
                     pass
 
     def check(self, watches: list[Watch]) -> None:

@@ -21,7 +21,19 @@ _EXPORTS = {
     "Task": "legorl.tasks.schema",
     "TaskError": "legorl.tasks.schema",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "FAMILIES",
+    "Task",
+    "TaskError",
+    "assert_clean_history",
+    "assert_no_hidden_tests",
+    "builtin_splits",
+    "generate_tasks",
+    "load_jsonl",
+    "load_task_dirs",
+    "load_tasks",
+    "prepare_repo",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -162,7 +162,7 @@ def assert_clean_history(dest: Path) -> None:
 
 
 def _blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # noqa: S324 - git's object id
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's object id
 
 
 def assert_no_hidden_tests(dest: Path, task: Task) -> None:
