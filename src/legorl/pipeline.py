@@ -154,6 +154,10 @@ class Driver:
         return LocalEngine(model, self.tokenizer, max_batch=e.max_batch, prefix_cache_mb=e.prefix_cache_mb,
                            num_threads=e.torch_threads or None)
 
+    def engine_stats(self) -> dict[str, Any]:
+        stats = getattr(self.engine, "stats", None)
+        return stats() if callable(stats) else {}
+
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         ckpts = sorted((self.run_dir / "checkpoints").glob("step-*"))
         ckpts = [c for c in ckpts if (c / "trainer_state.pt").is_file()]
@@ -249,8 +253,10 @@ class Driver:
 
     async def step(self, step: int) -> StepResult:
         t0 = time.time()
+        engine_before = self.engine_stats()
         rollouts, group_metrics = await self.train_rollouts(step)
         t_roll = time.time() - t0
+        engine_metrics = engine_delta(engine_before, self.engine_stats(), t_roll)
         seqs, seq_metrics, trained = self.sequences(rollouts)
         t1 = time.time()
         train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
@@ -263,6 +269,7 @@ class Driver:
         metrics.update(group_metrics)
         metrics.update(seq_metrics)
         metrics.update(behaviour_metrics(rollouts))
+        metrics.update(engine_metrics)
         metrics.update(train_metrics)
         metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
                         "time/step_s": time.time() - t0, "weight_version": float(version)})
@@ -399,6 +406,22 @@ def eval_line(name: str, m: dict[str, float]) -> str:
     p1 = next((v for k, v in m.items() if k.endswith("pass_at_1")), 0.0)
     outcomes = ", ".join(f"{k.rsplit('/', 1)[1]}={int(v)}" for k, v in m.items() if "/outcomes/" in k)
     return f"{name}: pass@1 {p1:.3f}  [{outcomes}]"
+
+
+def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float]:
+    """Engine throughput and idle share over one rollout phase (where the step's time goes)."""
+    if not after:
+        return {}
+
+    def d(key: str) -> float:
+        return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
+
+    prompt = d("prompt_tokens")
+    return {
+        "engine/generated_tokens_per_s": d("generated_tokens") / seconds if seconds > 0 else 0.0,
+        "engine/busy_share": min(1.0, d("busy_s") / seconds) if seconds > 0 else 0.0,
+        "engine/prefill_reuse": d("prefill_tokens_reused") / prompt if prompt else 0.0,
+    }
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import random
 import threading
+import time
 from typing import Any
 
 import torch
@@ -324,10 +325,12 @@ class LocalEngine:
                 if update is not None:
                     self._apply_update(update)
                     continue
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     self._admit(admitted)
                     if self._active:
                         self._decode_step()
+                self._stats["busy_s"] = self._stats.get("busy_s", 0.0) + time.perf_counter() - t0
         except Exception:
             log.exception("engine worker died")
         finally:

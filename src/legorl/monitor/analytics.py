@@ -52,14 +52,9 @@ def _ratio(a: list[float | None], b: list[float | None], scale: float = 1.0) -> 
 
 
 def _outcome_chart(db: RunDB, split: str | None, cid: str, title: str) -> dict[str, Any]:
-    counts = db.outcome_counts(split)
-    xs = sorted({s for s, _, _ in counts})
-    pos = {s: i for i, s in enumerate(xs)}
-    by: dict[str, list[float | None]] = {o: [0.0] * len(xs) for o in OUTCOMES}
-    for s, o, n in counts:
-        by.setdefault(o, [0.0] * len(xs))[pos[s]] = float(n)
-    return chart(cid, title, xs, {o: v for o, v in by.items() if any(v)}, kind="stacked", link="outcome",
-                 split=split)
+    m = db.outcome_counts(split)
+    order = [o for o in OUTCOMES if o in m.cols] + sorted(o for o in m.cols if o not in OUTCOMES)
+    return chart(cid, title, m.x, {o: m.cols[o] for o in order}, kind="stacked", link="outcome", split=split)
 
 
 def _eval_series(db: RunDB, xs: list[int], train_pass: list[float | None]) -> dict[str, Any]:
@@ -81,11 +76,21 @@ def _eval_series(db: RunDB, xs: list[int], train_pass: list[float | None]) -> di
     return {"x": all_x, "series": series}
 
 
+OVERVIEW_METRICS = [
+    "pass_rate", "reward/mean", "rollouts/turns_mean", "rollouts/count", "rollouts/completion_tokens_mean",
+    "time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/grading_s", "train/logprob_pearson",
+    "train/is_ess", "train/mismatch_k3_kl", "train/mismatch_abs_dlogp_mean", "seq/tokens_unmerged", "train/rollouts",
+    "behaviour/turns_per_rollout", "train/loss", "train/grad_norm", "train/clip_frac"]
+
+
 def overview(db: RunDB) -> dict[str, Any]:
     steps = db.steps()
-    xs = [s for s, _, _ in steps]
-    ms = [m for _, _, m in steps]
-    g = lambda k: _get(ms, k)
+    last = steps[-1][2] if steps else {}
+    xs, cols = db.step_columns(OVERVIEW_METRICS)
+
+    def g(key: str) -> list[float | None]:
+        return cols[key]
+
     pass_rate = g("pass_rate")
     ev = _eval_series(db, xs, pass_rate)
     ev_series = dict(ev["series"])
@@ -123,7 +128,6 @@ def overview(db: RunDB) -> dict[str, Any]:
               {"loss": g("train/loss"), "grad norm": g("train/grad_norm"), "clip frac": g("train/clip_frac")}),
     ]
     totals = db.outcome_totals()
-    last = ms[-1] if ms else {}
     return {
         "run": {"dir": str(db.run_dir), "name": db.run_info()["name"], "steps": len(xs),
                 "last_step": xs[-1] if xs else None, "rollouts": sum(totals.values()), "outcomes": totals,
@@ -174,7 +178,7 @@ class BehaviourCache:
     them, else computed from captured calls (a deterministic sample of at most `per_step` rollouts per
     step). Finished steps are computed once."""
 
-    def __init__(self, db: RunDB, per_step: int = 64, max_steps: int = 400):
+    def __init__(self, db: RunDB, per_step: int = 24, max_steps: int = 200):
         self.db = db
         self.sample = per_step
         self.max_steps = max_steps

@@ -51,6 +51,34 @@ def clean_metrics(m: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class OutcomeMatrix:
+    """Counts per step (x, ascending) and outcome, as columns aligned with x; grows by appending steps."""
+
+    def __init__(self) -> None:
+        self.x: list[int] = []
+        self.cols: dict[str, list[int]] = {}
+        self.totals: dict[str, int] = {}
+
+    def add_rows(self, rows: list[Any]) -> None:
+        """Rows of (step, outcome, count) in ascending step order, all after the steps already held."""
+        for r in rows:
+            step, outcome, n = int(r[0]), str(r[1]), int(r[2])
+            if not self.x or self.x[-1] != step:
+                self.x.append(step)
+                for col in self.cols.values():
+                    col.append(0)
+            col = self.cols.get(outcome)
+            if col is None:
+                col = self.cols[outcome] = [0] * len(self.x)
+            col[-1] += n
+            self.totals[outcome] = self.totals.get(outcome, 0) + n
+
+    def copy(self) -> OutcomeMatrix:
+        m = OutcomeMatrix()
+        m.x, m.cols, m.totals = list(self.x), {k: list(v) for k, v in self.cols.items()}, dict(self.totals)
+        return m
+
+
 class StoreMissing(FileNotFoundError):
     """The run directory has no store.sqlite."""
 
@@ -156,7 +184,11 @@ class RunDB:
         self._cache_lock = threading.Lock()
         self._steps: dict[int, tuple[float, dict[str, float]]] = {}
         self._steps_lock = threading.Lock()
-        self._closed_counts: dict[int, list[tuple[str, int]]] = {}  # train outcome counts of closed steps
+        self._steps_gen = 0  # bumped whenever a step's metrics were (re)read
+        self._columns: tuple[int, list[int], dict[str, list[float | None]]] = (-1, [], {})
+        self._matrix = OutcomeMatrix()  # train outcome counts of closed steps, grown as steps close
+        self._matrix_upto: int | None = None
+        self._matrix_lock = threading.Lock()
         self.ensure_indexes()
 
     def ensure_indexes(self) -> None:
@@ -226,11 +258,30 @@ class RunDB:
                     marks = ", ".join("?" * len(chunk))
                     for r in self.query(f"SELECT step, t, metrics_json FROM steps WHERE step IN ({marks})", chunk):
                         self._steps[int(r[0])] = (float(r[1] or 0.0), clean_metrics(json.loads(r[2] or "{}")))
-                for st in set(self._steps) - set(stamps):
+                gone = set(self._steps) - set(stamps)
+                for st in gone:
                     del self._steps[st]
+                if stale or gone:
+                    self._steps_gen += 1
                 return [(st, *self._steps[st]) for st in sorted(self._steps)]
 
         return self.cached(("steps",), load)
+
+    def step_columns(self, keys: list[str]) -> tuple[list[int], dict[str, list[float | None]]]:
+        """(steps, {metric: values aligned with steps}), built once per change of the steps table."""
+        steps = self.steps()
+        with self._steps_lock:
+            gen, xs, cols = self._columns
+            if gen != self._steps_gen or len(xs) != len(steps):
+                gen, xs, cols = self._steps_gen, [st for st, _, _ in steps], {}
+                self._columns = (gen, xs, cols)
+            out = {}
+            for key in keys:
+                col = cols.get(key)
+                if col is None:
+                    col = cols[key] = [m.get(key) for _, _, m in steps]
+                out[key] = col
+        return xs, out
 
     def closed_step(self) -> int | None:
         """The last step whose metrics are written: its train rollouts are final."""
@@ -254,17 +305,12 @@ class RunDB:
         per_page = max(1, min(per_page, 500))
         page = max(1, page)
         offset = (page - 1) * per_page
-        hint = f.covering_index(col) if self.indexed else None
-        if hint is None:  # a seekable filter: SQLite walks one index in order and stops after the page
-            ids = [int(r[0]) for r in self.query(
-                f"SELECT rowid FROM rollouts{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
-                params + [per_page, offset])]
-            total = int(self.query(f"SELECT COUNT(*) FROM rollouts{where}", params)[0][0])
-        else:  # one pass over a covering index gives the count and the order at once
-            keyed = self.query(f"SELECT rowid, {col} FROM rollouts{self._by(hint)}{where}", params)
-            total = len(keyed)
-            keyed.sort(key=lambda r: (r[1] is not None, r[1], r[0]), reverse=desc)
-            ids = [int(r[0]) for r in keyed[offset:offset + per_page]]
+        # A filter no single index seeks is answered from one covering index (its rows are never read)
+        by = self._by(hint) if (hint := f.covering_index(col)) and self.indexed else ""
+        ids = [int(r[0]) for r in self.query(
+            f"SELECT rowid FROM rollouts{by}{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
+            params + [per_page, offset])]
+        total = int(self.query(f"SELECT COUNT(*) FROM rollouts{by}{where}", params)[0][0])
         by_rowid: dict[int, dict[str, Any]] = {}
         if ids:
             marks = ", ".join("?" * len(ids))
@@ -323,37 +369,38 @@ class RunDB:
         return out
 
     # ---- aggregates --------------------------------------------------------------------------------
-    def outcome_counts(self, split: str | None = "train") -> list[tuple[int, str, int]]:
-        """(step, outcome, count) for finished rollouts; closed train steps are counted once."""
-        if split != "train":
-            cond = "outcome IS NOT NULL" + (" AND split = ?" if split else "")
-            rows = self.query(f"SELECT step, outcome, COUNT(*) FROM rollouts WHERE {cond} GROUP BY step, outcome "
-                              "ORDER BY step", (split,) if split else ())
-            return [(int(r[0]), str(r[1]), int(r[2])) for r in rows]
+    def outcome_counts(self, split: str | None = None) -> OutcomeMatrix:
+        """Finished rollouts per step and outcome, for one split or all (None)."""
+        if split == "train":
+            return self.train_outcomes()
+        cond = "outcome IS NOT NULL" + (" AND split = ?" if split else "")
+        m = OutcomeMatrix()
+        m.add_rows(self.query(f"SELECT step, outcome, COUNT(*) FROM rollouts WHERE {cond} GROUP BY step, outcome "
+                              "ORDER BY step", (split,) if split else ()))
+        return m
+
+    def train_outcomes(self) -> OutcomeMatrix:
+        """Train rollouts per step and outcome. Steps whose metrics are written are final: they are counted
+        once and kept; only the steps after them are counted again."""
         closed = self.closed_step()
-        known = max(self._closed_counts, default=None)
-        start = -(2**62) if known is None else known + 1
-        fresh: dict[int, list[tuple[str, int]]] = {}
-        for r in self.query("SELECT step, outcome, COUNT(*) FROM rollouts WHERE split = 'train' AND step >= ? "
-                            "AND outcome IS NOT NULL GROUP BY step, outcome", (start,)):
-            fresh.setdefault(int(r[0]), []).append((str(r[1]), int(r[2])))
-        if closed is not None:
-            for st, counts in fresh.items():
-                if st <= closed:
-                    self._closed_counts[st] = counts
-            if not any(st <= closed for st in fresh):  # nothing new closed: remember steps with no rollouts too
-                self._closed_counts.setdefault(closed, self._closed_counts.get(closed, []))
-        merged = {**self._closed_counts, **fresh}
-        return [(st, o, n) for st in sorted(merged) for o, n in merged[st]]
+        q = ("SELECT step, outcome, COUNT(*) FROM rollouts WHERE split = 'train' AND step > ? AND step <= ? "
+             "AND outcome IS NOT NULL GROUP BY step, outcome ORDER BY step")
+        with self._matrix_lock:
+            upto = -(2**62) if self._matrix_upto is None else self._matrix_upto
+            if closed is not None and closed > upto:
+                self._matrix.add_rows(self.query(q, (upto, closed)))
+                self._matrix_upto = upto = closed
+            m = self._matrix.copy()
+        m.add_rows(self.query(q, (upto, 2**62)))
+        return m
 
     def outcome_totals(self) -> dict[str, int]:
         """Rollouts per outcome over all splits ("pending" for unfinished ones)."""
-        totals: dict[str, int] = {}
-        for _, o, n in self.outcome_counts("train"):
-            totals[o] = totals.get(o, 0) + n
-        for sql in ("SELECT outcome, COUNT(*) FROM rollouts WHERE split < 'train' GROUP BY outcome",
-                    "SELECT outcome, COUNT(*) FROM rollouts WHERE split > 'train' GROUP BY outcome",
-                    "SELECT outcome, COUNT(*) FROM rollouts WHERE split IS NULL GROUP BY outcome",
+        totals = dict(self.train_outcomes().totals)
+        by_split = self._by("monitor_rollouts_split_step")  # a range of splits, not a scan of every rollout
+        for sql in (f"SELECT outcome, COUNT(*) FROM rollouts{by_split} WHERE split < 'train' GROUP BY outcome",
+                    f"SELECT outcome, COUNT(*) FROM rollouts{by_split} WHERE split > 'train' GROUP BY outcome",
+                    f"SELECT outcome, COUNT(*) FROM rollouts{by_split} WHERE split IS NULL GROUP BY outcome",
                     (f"SELECT NULL, COUNT(*) FROM rollouts{self._by('monitor_rollouts_outcome_step')} "
                      "WHERE outcome IS NULL AND split = 'train'")):
             for r in self.query(sql):

@@ -30,7 +30,6 @@ import sys
 MAX_OUTPUT = 2_000_000  # bytes kept per command (head + tail) so one reply stays bounded
 MAX_READ = 64 * 1024 * 1024
 CPU_LIMIT = [0]  # RLIMIT_CPU applied to each command (0: none)
-RESOURCE = []  # the resource module, once imported (the fork child must not import)
 WORKDIR = ["/workspace"]
 
 
@@ -53,7 +52,6 @@ def parse_args(argv: list) -> dict:
 def apply_limits(spec: str) -> None:
     import resource
 
-    RESOURCE.append(resource)
     names = {
         "nproc": resource.RLIMIT_NPROC,
         "data": resource.RLIMIT_DATA,
@@ -73,9 +71,18 @@ def apply_limits(spec: str) -> None:
         resource.setrlimit(which, (v, v))  # hard too: nothing inside can raise it back
 
 
-def _cpu_limit() -> None:  # runs in the command's child between fork and exec
-    resource = RESOURCE[0]
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIMIT[0], CPU_LIMIT[0]))
+def _wait_ready(pid: int, timeout: float) -> bool:
+    """True once pid has exited (not reaped), False after timeout."""
+    import os
+    import select
+
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(fd)
 
 
 def _read_trimmed(f) -> str:
@@ -103,33 +110,35 @@ def run_command(req: dict) -> dict:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     cwd = req.get("cwd") or WORKDIR[0]
+    command = req["command"]
+    if CPU_LIMIT[0]:  # a bash builtin: no extra process, and no preexec_fn (which would rule out vfork)
+        command = f"ulimit -t {CPU_LIMIT[0]} 2>/dev/null; {command}"
     # Output goes to an anonymous memory file, not a pipe: a background child that keeps a pipe open
     # must not block the reply after the command itself finished, and a full /tmp must not eat it.
     with open(os.memfd_create("legorl-out"), "w+b") as out:
         try:
             proc = subprocess.Popen(
-                ["bash", "-c", req["command"]],
+                ["bash", "-c", command],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_cpu_limit if CPU_LIMIT[0] else None,  # noqa: PLW1509 - only setrlimit runs there
             )
         except OSError as e:
             return {"output": f"failed to start command: {e}", "returncode": 127, "timed_out": False}
-        timed_out = False
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        # Block on a pidfd with the timeout (Popen.wait(timeout) would poll with growing sleeps).
+        timed_out = not _wait_ready(proc.pid, timeout)
+        if timed_out:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
             returncode = -1
+        else:
+            returncode = proc.wait()
         output = _read_trimmed(out)
     return {"output": output, "returncode": returncode, "timed_out": timed_out}
 
@@ -234,6 +243,7 @@ def _warm_up() -> None:
     import base64  # noqa: F401 - imported now so the first request does not pay for it
     import json  # noqa: F401
     import os  # noqa: F401
+    import select  # noqa: F401
     import socket  # noqa: F401
     import subprocess  # noqa: F401
 

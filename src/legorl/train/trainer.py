@@ -64,6 +64,7 @@ class Trainer:
         max_grad_norm: float | None = 1.0,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         tis_cap: float | None = 2.0,
@@ -123,7 +124,7 @@ class Trainer:
         self.schedule = LRSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
         self.max_grad_norm = max_grad_norm
         # Must equal the engine's sampling settings: logprobs are of the distribution sampled from.
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
         self.is_mode, self.token_mask, self.seq_mask = is_mode, token_mask, seq_mask
         self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
@@ -181,6 +182,7 @@ class Trainer:
     def _logprobs(
         self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
+        """Trainer logprobs/entropy at mb's loss positions (0 elsewhere: no vocab-sized work there)."""
         with dist.autocast(self.device, self.autocast_dtype):
             return sequence_logprobs(
                 model,
@@ -189,6 +191,8 @@ class Trainer:
                 self.temperature,
                 self.top_p,
                 entropy_grad=entropy_grad,
+                top_k=self.top_k,
+                loss_mask=mb.mask,
             )
 
     def _old_pass(self, mb: Micro, stats: ReplayStats) -> None:
@@ -405,7 +409,9 @@ class Trainer:
                 dist.no_sync_if_sharded(self.model, j == len(micros) - 1),
                 dist.autocast(self.device, self.autocast_dtype),
             ):
-                logp, _ = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, 1.0)
+                logp, _ = sequence_logprobs(
+                    self.model, mb.input_ids, mb.attention_mask, 1.0, loss_mask=mb.mask
+                )
             loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
             loss.backward()
             loss_total += float(loss.detach())

@@ -1,0 +1,247 @@
+"""Sandbox benchmark: start/teardown, per-command exec, 32 concurrent sandboxes, against a floor and a peer.
+
+In one run, on the same machine:
+
+* start: ``BwrapSandbox.create`` on a prepared small repo (a built-in task) until the agent
+  accepts commands (workspace ready), and ``close`` (teardown), p50/p99; ``prepare_repo``
+  (materialising the orphan-commit repo) is reported on its own line;
+* per-command exec latency of a trivial command inside a live sandbox, through the async API
+  and through the blocking ``SandboxClient`` a harness worker uses, p50/p99;
+* the floor: the same command as a bare ``bash -c`` subprocess of this process;
+* the peer: mini-swe-agent's ``BubblewrapEnvironment`` (a new bwrap per command, no limits);
+* 32 sandboxes started at once: wall time until all are ready, per-sandbox start p50/p99, one
+  command in each at once, teardown of all.
+
+Targets: per-command exec within 2x of the bare subprocess; start p50 under 20 ms.
+``--write`` puts the table in BENCHMARKS.md, section "## Sandbox".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from legorl.sandbox.bwrap import BwrapSandbox  # noqa: E402
+from legorl.sandbox.client import SandboxClient  # noqa: E402
+from legorl.tasks import generate_tasks, prepare_repo  # noqa: E402
+
+COMMAND = "echo hi"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def row(name: str, xs: list[float], floor: float | None = None, note: str = "") -> str:
+    p50, p99 = pct(xs, 50) * 1000, pct(xs, 99) * 1000
+    ratio = f"{p50 / (floor * 1000):.2f}x" if floor else ""
+    return f"| {name} | {len(xs)} | {p50:.2f} | {p99:.2f} | {ratio} | {note} |"
+
+
+def load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+async def bench_start(base: Path, repo_src: Path, n: int) -> tuple[list[float], list[float], list[float]]:
+    prep, starts, stops = [], [], []
+    task = generate_tasks(["wrong_operator"], 1, seed=0)[0]
+    for i in range(n):
+        t = time.perf_counter()
+        await asyncio.to_thread(prepare_repo, task, base / f"p{i}")
+        prep.append(time.perf_counter() - t)
+        shutil.copytree(repo_src, base / f"s{i}" / "ws", symlinks=True)
+        t = time.perf_counter()
+        box = await BwrapSandbox.create(workspace=base / f"s{i}" / "ws", sandbox_dir=base / f"s{i}" / "sb", label="bench")
+        starts.append(time.perf_counter() - t)
+        await box.exec("true")
+        t = time.perf_counter()
+        await box.close()
+        stops.append(time.perf_counter() - t)
+    return prep, starts, stops
+
+
+async def bench_exec(base: Path, repo_src: Path, n: int) -> tuple[list[float], list[float]]:
+    shutil.copytree(repo_src, base / "exec" / "ws", symlinks=True)
+    box = await BwrapSandbox.create(workspace=base / "exec" / "ws", sandbox_dir=base / "exec" / "sb", label="bench")
+    try:
+        for _ in range(10):
+            await box.exec(COMMAND)
+        async_lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            r = await box.exec(COMMAND)
+            async_lat.append(time.perf_counter() - t)
+            assert r.output == "hi\n"
+        client = SandboxClient(box.control_socket)
+
+        def sync_loop() -> list[float]:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                client.exec(COMMAND)
+                out.append(time.perf_counter() - t)
+            return out
+
+        sync_lat = await asyncio.to_thread(sync_loop)
+    finally:
+        await box.close()
+    return async_lat, sync_lat
+
+
+def bench_bare(n: int) -> list[float]:
+    out = []
+    for _ in range(10 + n):
+        t = time.perf_counter()
+        subprocess.run(["bash", "-c", COMMAND], capture_output=True, check=True)
+        out.append(time.perf_counter() - t)
+    return out[10:]
+
+
+def bench_peer(base: Path, repo_src: Path, n: int) -> list[float] | str:
+    try:
+        from minisweagent.environments.extra.bubblewrap import BubblewrapEnvironment
+    except ImportError as e:
+        return f"mini-swe-agent not importable: {e}"
+    ws = base / "peer"
+    shutil.copytree(repo_src, ws, symlinks=True)
+    env = BubblewrapEnvironment(cwd=str(ws), timeout=30)
+    out = []
+    for _ in range(5 + n):
+        t = time.perf_counter()
+        r = env.execute({"command": COMMAND})
+        out.append(time.perf_counter() - t)
+        if r["returncode"] != 0:
+            return f"peer failed: {r}"
+    return out[5:]
+
+
+async def bench_concurrent(base: Path, repo_src: Path, k: int) -> dict[str, float | list[float]]:
+    for i in range(k):
+        shutil.copytree(repo_src, base / f"c{i}" / "ws", symlinks=True)
+
+    async def start(i: int) -> tuple[BwrapSandbox, float]:
+        t = time.perf_counter()
+        box = await BwrapSandbox.create(workspace=base / f"c{i}" / "ws", sandbox_dir=base / f"c{i}" / "sb", label="bench")
+        return box, time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    started = await asyncio.gather(*(start(i) for i in range(k)))
+    all_ready = time.perf_counter() - t0
+    boxes = [b for b, _ in started]
+    t1 = time.perf_counter()
+    results = await asyncio.gather(*(b.exec(COMMAND) for b in boxes))
+    exec_wall = time.perf_counter() - t1
+    assert all(r.output == "hi\n" for r in results)
+    t2 = time.perf_counter()
+    await asyncio.gather(*(b.close() for b in boxes))
+    teardown = time.perf_counter() - t2
+    return {"all_ready": all_ready, "starts": [s for _, s in started], "exec_wall": exec_wall, "teardown": teardown}
+
+
+def write_section(text: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = f"## Sandbox\n\n{text.strip()}\n\n"
+    pattern = re.compile(r"## Sandbox\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    new = pattern.sub(lambda _: section, old) if pattern.search(old) else old.rstrip() + "\n\n" + section
+    path.write_text(new)
+
+
+async def run(args: argparse.Namespace) -> str:
+    load_before = load()
+    base = Path(tempfile.mkdtemp(prefix="legorl-bench-sandbox-", dir="/var/tmp"))
+    try:
+        task = generate_tasks(["wrong_operator"], 1, seed=0)[0]
+        repo_src = base / "repo"
+        prepare_repo(task, repo_src)
+        n_files = sum(1 for p in repo_src.rglob("*") if p.is_file())
+        prep, starts, stops = await bench_start(base / "start", repo_src, args.starts)
+        bare = bench_bare(args.commands)
+        async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
+        peer = bench_peer(base, repo_src, args.peer_commands)
+        conc = await bench_concurrent(base / "conc", repo_src, args.concurrent)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    floor = pct(bare, 50)
+    lines = [
+        "| measurement | n | p50 ms | p99 ms | p50 vs bare subprocess | note |",
+        "|---|---|---|---|---|---|",
+        row("bare `bash -c` subprocess (floor)", bare, floor, "host, no isolation"),
+        row("legorl exec, async API", async_lat, floor, "live sandbox, control socket"),
+        row("legorl exec, SandboxClient (harness worker)", sync_lat, floor, "live sandbox, blocking client"),
+    ]
+    if isinstance(peer, str):
+        lines.append(f"| mini-swe-agent BubblewrapEnvironment (peer) | - | - | - | - | {peer} |")
+    else:
+        lines.append(row("mini-swe-agent BubblewrapEnvironment (peer)", peer, floor, "new bwrap per command"))
+    lines += [
+        row("legorl sandbox start (workspace ready)", starts, None, f"small repo, {n_files} files"),
+        row("legorl sandbox teardown", stops, None, "kill + reap"),
+        row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
+        row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]
+            f"all ready after {conc['all_ready'] * 1000:.0f} ms"),  # fmt: skip
+    ]
+    exec_ratio = pct(async_lat, 50) / floor
+    sync_ratio = pct(sync_lat, 50) / floor
+    start_p50 = pct(starts, 50) * 1000
+    peer_line = "" if isinstance(peer, str) else (
+        f" mini-swe-agent's bubblewrap environment pays a sandbox start per command: "
+        f"**{pct(peer, 50) / pct(async_lat, 50):.1f}x** slower per command than a live legorl sandbox."
+    )  # fmt: skip
+    notes = [
+        f"- Per-command exec: **{exec_ratio:.2f}x** the bare subprocess (async API), {sync_ratio:.2f}x through the "
+        f"blocking client (target <= 2x: {'met' if max(exec_ratio, sync_ratio) <= 2 else 'NOT met'}).{peer_line}",
+        f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
+        f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in each "
+        f"in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms.",
+        "- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
+        "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
+        "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
+        "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
+        "(saves the interpreter start, the largest user-space part).",
+        f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent, which "
+        "forks `bash -c` with the sandbox's limits; the floor forks `bash -c` directly.",
+        f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
+        f"{subprocess.run(['bwrap', '--version'], capture_output=True, text=True, check=False).stdout.split()[-1]}, "
+        f"Python {platform.python_version()}; load average {load_before} before / {load()} after. The machine "
+        "is shared with other jobs: absolute figures move with load; ratios measured in the same run are the "
+        "comparable numbers.",
+        f"- Reproduce: `python bench/sandbox.py --write` (defaults: {args.starts} starts, {args.commands} "
+        f"commands, {args.concurrent} concurrent).",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--starts", type=int, default=40, help="sequential sandbox starts")
+    ap.add_argument("--commands", type=int, default=300, help="commands per exec measurement")
+    ap.add_argument("--peer-commands", type=int, default=60, help="commands through the peer")
+    ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md (## Sandbox)")
+    args = ap.parse_args()
+    if shutil.which("bwrap") is None:
+        sys.exit("bubblewrap (bwrap) is not installed")
+    text = asyncio.run(run(args))
+    print(text)
+    if args.write:
+        write_section(text)
+        print(f"\nwritten to {ROOT / 'BENCHMARKS.md'} (## Sandbox)")
+
+
+if __name__ == "__main__":
+    main()
