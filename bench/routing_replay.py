@@ -21,6 +21,7 @@ field) and the experts by ``--expert-scale`` (an expert's output matters, as in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import time
@@ -36,25 +37,31 @@ from legorl.train.trainer import Trainer
 
 def build(
     spec: ModelSpec, vocab: int, router_std: float, init_scale: float, expert_scale: float
-) -> transformers.Qwen3MoeForCausalLM:
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.num_experts_per_tok,
-        moe_intermediate_size=spec.moe_intermediate_size,
-        norm_topk_prob=True,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-    )
+) -> transformers.PreTrainedModel:
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+    }
+    if spec.moe:
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+    else:
+        cfg = transformers.Qwen3Config(**common)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(spec.seed)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model = (transformers.Qwen3MoeForCausalLM if spec.moe else transformers.Qwen3ForCausalLM)(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(init_scale)
@@ -82,19 +89,23 @@ def _cache(out: object) -> object:
 @torch.no_grad()
 def sample(
     model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, bf16: bool, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """KV-cache decode of a batch; returns ids [B, P+N], logprobs [B, N], routes [B, P+N, L, K]."""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    dev = prompts.device.type
+    ctx = torch.autocast(dev, dtype=torch.bfloat16) if bf16 else torch.autocast(dev, enabled=False)
+    moe = bool(find_routers(model))
     ids, logps = prompts, []
-    with record_routing(model) as rec, ctx:
+    with record_routing(model) if moe else contextlib.nullcontext() as rec, ctx:
         out = model(input_ids=prompts, use_cache=True)
         for t in range(new_tokens):
             logp = torch.log_softmax(out.logits[:, -1].float(), -1)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen)
+            tok = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(prompts.device)
             logps.append(logp.gather(-1, tok))
             ids = torch.cat([ids, tok], 1)
             if t < new_tokens - 1:
                 out = model(input_ids=tok, use_cache=True, **{CACHE_KW: _cache(out)})
+    if not moe:
+        return ids, torch.cat(logps, 1), None
     routes = rec.pop()  # the last sampled token is never fed back: no route for it
     pad = torch.full_like(routes[:, :1], PAD_ROUTE)
     return ids, torch.cat(logps, 1), torch.cat([routes, pad], 1)
@@ -106,8 +117,9 @@ def token_route_diff(
     """(token fraction routed differently in >= 1 layer, router-decision fraction), trainer vs sampler."""
     tok_diff = dec_diff = tok_n = dec_n = 0
     for s in seqs:
-        ids = torch.tensor([s.token_ids])
-        sampler_routes = torch.tensor([s.routed_experts])
+        dev = next(model.parameters()).device
+        ids = torch.tensor([s.token_ids], device=dev)
+        sampler_routes = torch.tensor([s.routed_experts], device=dev)
         rec = RoutingRecorder(len(find_routers(model)))
         # the routes actually used: replay_routing records after forcing
         ctx = replay_routing(model, sampler_routes, record=rec) if replay else record_routing(model, rec)
@@ -115,6 +127,7 @@ def token_route_diff(
             model(input_ids=ids)
         used = rec.pop()
         have = (sampler_routes >= 0).all(-1)  # [1, T, L]
+        used = used.to(dev)
         differ = (used.sort(-1).values != sampler_routes.sort(-1).values).any(-1) & have
         tok_diff += int(differ.any(-1).sum())
         tok_n += int(have.all(-1).sum())
@@ -135,19 +148,22 @@ def main() -> None:
     ap.add_argument("--mismatch", choices=["bf16", "noise"], default="bf16")
     ap.add_argument("--noise", type=float, default=2e-3, help="relative weight noise for --mismatch noise")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the GPU check: bf16 sampler on the GPU)")
+    ap.add_argument("--dense", action="store_true", help="a dense Qwen3 of the same size: mismatch only")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     t0 = time.time()
 
-    spec = ModelSpec(moe=True)
+    spec = ModelSpec(moe=not args.dense)
     trainer_model = build(spec, args.vocab, args.router_std, args.init_scale, args.expert_scale)
+    trainer_model.to(args.device)
     sampler_model = copy.deepcopy(trainer_model)
     if args.mismatch == "noise":
         with torch.no_grad():
             for p in sampler_model.parameters():
                 p.add_(args.noise * p.abs().mean() * torch.randn_like(p))
     gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, args.vocab, (args.sequences, args.prompt_len), generator=gen)
+    prompts = torch.randint(0, args.vocab, (args.sequences, args.prompt_len), generator=gen).to(args.device)
     ids, logps, routes = sample(sampler_model, prompts, args.new_tokens, args.mismatch == "bf16", gen)
 
     p, n = args.prompt_len, args.new_tokens
@@ -158,26 +174,27 @@ def main() -> None:
             loss_mask=[0] * p + [1] * n,
             rollout_logprobs=[0.0] * p + logps[i].tolist(),
             advantage=1.0 if i % 2 else -1.0,
-            routed_experts=routes[i].tolist(),
+            routed_experts=None if routes is None else routes[i].tolist(),
         )
         for i in range(args.sequences)
     ]
     # Trainer micro-batches of 3 sequences: another batch composition than the sampler's 8.
     budget = 3 * (p + n)
     results = {}
-    for mode in ("off", "R3"):
+    for mode in ("off",) if args.dense else ("off", "R3"):
         tr = Trainer(trainer_model, lr=0.0, temperature=1.0, routing_replay=mode, micro_batch_tokens=budget)
         m = tr.train_step(seqs)
-        tok, dec = token_route_diff(trainer_model, seqs, replay=mode == "R3")
+        tok, dec = (0.0, 0.0) if args.dense else token_route_diff(trainer_model, seqs, replay=mode == "R3")
         results[mode] = (tok, dec, m)
 
     how = (
-        "bf16 autocast KV-cache decode, batch 8"
+        f"bf16 autocast KV-cache decode, batch {args.sequences}"
         if args.mismatch == "bf16"
-        else f"fp32 KV-cache decode, batch 8, weights + N(0, {args.noise:g} x mean|w|) noise"
+        else f"fp32 KV-cache decode, batch {args.sequences}, weights + N(0, {args.noise:g} x mean|w|) noise"
     )
+    arch = "dense" if args.dense else f"MoE, {spec.num_experts} experts top-{spec.num_experts_per_tok}"
     print(
-        f"tiny Qwen3-MoE: {spec.num_layers} layers x {spec.num_experts} experts top-{spec.num_experts_per_tok}, "
+        f"tiny Qwen3 ({arch}) on {args.device}: {spec.num_layers} layers, "
         f"hidden {spec.hidden_size}, vocab {args.vocab}; weights x{args.init_scale} (HF init), "
         f"experts x{args.expert_scale}, routers N(0, {args.router_std})"
     )
@@ -192,6 +209,8 @@ def main() -> None:
             f"{mode:<6} {tok:>26.1%} {dec:>24.1%} {m['train/mismatch_k3_kl']:>10.2e} "
             f"{m['train/mismatch_abs_dlogp_mean']:>12.4f} {m['train/logprob_pearson']:>8.4f}"
         )
+    if args.dense:
+        return
     off, r3 = results["off"][2]["train/mismatch_k3_kl"], results["R3"][2]["train/mismatch_k3_kl"]
     print(
         f"\nR3 cuts k3 KL {off / r3 if r3 > 0 else float('inf'):.1f}x; routing differences with R3: "

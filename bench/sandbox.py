@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from legorl.sandbox.bwrap import BwrapSandbox  # noqa: E402
-from legorl.sandbox.client import SandboxClient  # noqa: E402
-from legorl.tasks import generate_tasks, prepare_repo  # noqa: E402
+from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.client import SandboxClient
+from legorl.tasks import generate_tasks, prepare_repo
 
 COMMAND = "echo hi"
 
@@ -193,7 +192,7 @@ async def run(args: argparse.Namespace) -> str:
         row("legorl sandbox teardown", stops, None, "kill + reap"),
         row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
         row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]
-            f"all ready after {conc['all_ready'] * 1000:.0f} ms"),  # fmt: skip
+            f"all ready after {conc['all_ready'] * 1000:.0f} ms"),
     ]
     exec_ratio = pct(async_lat, 50) / floor
     sync_ratio = pct(sync_lat, 50) / floor
@@ -202,27 +201,28 @@ async def run(args: argparse.Namespace) -> str:
         f" mini-swe-agent's bubblewrap environment pays a sandbox start per command: "
         f"**{pct(peer, 50) / pct(async_lat, 50):.1f}x** slower per command than a live legorl sandbox."
     )  # fmt: skip
+    bwrap_version = args.bwrap_version
+    exec_met = "met" if max(exec_ratio, sync_ratio) <= 2 else "NOT met"
     notes = [
-        f"- Per-command exec: **{exec_ratio:.2f}x** the bare subprocess (async API), {sync_ratio:.2f}x through the "
-        f"blocking client (target <= 2x: {'met' if max(exec_ratio, sync_ratio) <= 2 else 'NOT met'}).{peer_line}",
-        f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
-        f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in each "
-        f"in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms.",
-        "- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
-        "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
-        "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
-        "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
-        "(saves the interpreter start, the largest user-space part).",
-        f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent, which "
-        "forks `bash -c` with the sandbox's limits; the floor forks `bash -c` directly.",
-        f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
-        f"{subprocess.run(['bwrap', '--version'], capture_output=True, text=True, check=False).stdout.split()[-1]}, "
-        f"Python {platform.python_version()}; load average {load_before} before / {load()} after. The machine "
-        "is shared with other jobs: absolute figures move with load; ratios measured in the same run are the "
-        "comparable numbers.",
-        f"- Reproduce: `python bench/sandbox.py --write` (defaults: {args.starts} starts, {args.commands} "
-        f"commands, {args.concurrent} concurrent).",
-    ]
+        (f"- Per-command exec: **{exec_ratio:.2f}x** the bare subprocess (async API), {sync_ratio:.2f}x through "
+         f"the blocking client (target <= 2x: {exec_met}).{peer_line}"),
+        (f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
+         f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in "
+         f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms."),
+        ("- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
+         "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
+         "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
+         "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
+         "(saves the interpreter start, the largest user-space part)."),
+        (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent, which "
+         "forks `bash -c` with the sandbox's limits; the floor forks `bash -c` directly."),
+        (f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
+         f"{bwrap_version.split()[-1]}, Python {platform.python_version()}; load average {load_before} before / "
+         f"{load()} after. The machine is shared with other jobs: absolute figures move with load; ratios "
+         "measured in the same run are the comparable numbers."),
+        (f"- Reproduce: `python bench/sandbox.py --write` (defaults: {args.starts} starts, {args.commands} "
+         f"commands, {args.concurrent} concurrent)."),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
 
@@ -236,6 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     if shutil.which("bwrap") is None:
         sys.exit("bubblewrap (bwrap) is not installed")
+    args.bwrap_version = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, check=False).stdout
     text = asyncio.run(run(args))
     print(text)
     if args.write:

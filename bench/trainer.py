@@ -18,8 +18,10 @@ TRL is optional: ``pip install trl accelerate psutil --no-deps`` into the venv (
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,20 +89,22 @@ def make_batches(
     return out
 
 
-def bench_legorl(model: torch.nn.Module, batches: list[list[TrainingSequence]], warmup: int) -> float:
-    tokens_per_batch = sum(len(s.token_ids) for s in batches[0])
+Step = Callable[[list[TrainingSequence]], None]
+
+
+def legorl_step(model: torch.nn.Module, tokens_per_batch: int) -> Step:
     tr = Trainer(model, lr=1e-5, micro_batch_tokens=tokens_per_batch)
-    for b in batches[:warmup]:
-        tr.train_step(b)
-    t = time.perf_counter()
-    for b in batches[warmup:]:
-        tr.train_step(b)
-    return (len(batches) - warmup) * tokens_per_batch / (time.perf_counter() - t)
+
+    def step(seqs: list[TrainingSequence]) -> None:
+        tr.train_step(seqs)
+
+    return step
 
 
-def bench_trl(
-    model: torch.nn.Module, batches: list[list[TrainingSequence]], prompt: int, warmup: int, tok_dir: Path
-) -> float | str:
+def trl_step(
+    model: torch.nn.Module, batch: int, prompt: int, completion: int, tok_dir: Path, out: str
+) -> Step | str:
+    """TRL's GRPOTrainer loss (compute_loss) + backward + clip + AdamW step on the given tokens."""
     try:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -108,59 +112,53 @@ def bench_trl(
         return f"skipped: TRL not importable ({type(e).__name__}: {e})"
     from legorl.models import build_tokenizer
 
-    tokenizer = build_tokenizer(tok_dir, 4096)
-    batch = len(batches[0])
-    completion = len(batches[0][0].token_ids) - prompt
-    with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
-            output_dir=out,
-            use_cpu=True,
-            per_device_train_batch_size=batch,
-            num_generations=batch,
-            max_completion_length=completion,
-            beta=0.0,
-            learning_rate=1e-5,
-            report_to=[],
-            logging_steps=10**6,
-            save_strategy="no",
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": ["x"] * batch}),
-            processing_class=tokenizer,
-        )
-        trainer.create_optimizer()
-        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() otherwise
-        opt = trainer.optimizer
-        model.train()
+    args = GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=batch,
+        num_generations=batch,
+        max_completion_length=completion,
+        beta=0.0,
+        learning_rate=1e-5,
+        report_to=[],
+        logging_steps=10**6,
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["x"] * batch}),
+        processing_class=build_tokenizer(tok_dir, 4096),
+    )
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() otherwise
+    opt = trainer.optimizer
+    model.train()
 
-        def inputs(seqs: list[TrainingSequence]) -> dict[str, torch.Tensor]:
-            ids = torch.tensor([s.token_ids for s in seqs])
-            return {
-                "prompt_ids": ids[:, :prompt],
-                "prompt_mask": torch.ones_like(ids[:, :prompt]),
-                "completion_ids": ids[:, prompt:],
-                "completion_mask": torch.ones_like(ids[:, prompt:]),
-                "advantages": torch.tensor([s.advantage for s in seqs]),
-                "num_items_in_batch": torch.tensor(float(ids[:, prompt:].numel())),
-            }
+    def step(seqs: list[TrainingSequence]) -> None:
+        ids = torch.tensor([s.token_ids for s in seqs])
+        inputs = {
+            "prompt_ids": ids[:, :prompt],
+            "prompt_mask": torch.ones_like(ids[:, :prompt]),
+            "completion_ids": ids[:, prompt:],
+            "completion_mask": torch.ones_like(ids[:, prompt:]),
+            "advantages": torch.tensor([s.advantage for s in seqs]),
+            "num_items_in_batch": torch.tensor(float(ids[:, prompt:].numel())),
+        }
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        def step(seqs: list[TrainingSequence]) -> None:
-            loss = trainer.compute_loss(model, inputs(seqs))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    return step
 
-        for b in batches[:warmup]:
-            step(b)
-        t = time.perf_counter()
-        for b in batches[warmup:]:
-            step(b)
-        tokens = sum(len(s.token_ids) for s in batches[0]) * (len(batches) - warmup)
-        return tokens / (time.perf_counter() - t)
+
+def timed(step: Step, seqs: list[TrainingSequence]) -> float:
+    t = time.perf_counter()
+    step(seqs)
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -184,12 +182,30 @@ def main() -> None:
     flops_per_batch = train_flops(base, args.batch, seq_len)
     tokens_per_batch = args.batch * seq_len
 
-    ceiling = matmul_ceiling()
-    ours = bench_legorl(build(args.vocab, args.hidden, args.layers), batches, args.warmup)
-    trl = bench_trl(
-        build(args.vocab, args.hidden, args.layers), batches, args.prompt, args.warmup, Path(args.cache_dir)
+    # Steps of the two trainers and matmul probes alternate, so a load change on this shared machine
+    # hits every figure alike.
+    ours_step = legorl_step(build(args.vocab, args.hidden, args.layers), tokens_per_batch)
+    tmp = tempfile.TemporaryDirectory()
+    trl = trl_step(
+        build(args.vocab, args.hidden, args.layers),
+        args.batch,
+        args.prompt,
+        args.completion,
+        Path(args.cache_dir),
+        tmp.name,
     )
-    ceiling = max(ceiling, matmul_ceiling())  # measured before and after: the machine is shared
+    t_ours = t_trl = 0.0
+    ceilings = []
+    for i, b in enumerate(batches):
+        a = timed(ours_step, b)
+        c = timed(trl, b) if not isinstance(trl, str) else 0.0
+        ceilings.append(matmul_ceiling(reps=5))
+        if i >= args.warmup:
+            t_ours, t_trl = t_ours + a, t_trl + c
+    tmp.cleanup()
+    ceiling = max(ceilings)
+    ours = args.steps * tokens_per_batch / t_ours
+    trl_tps = args.steps * tokens_per_batch / t_trl if not isinstance(trl, str) else trl
 
     def achieved(tps: float) -> float:
         return tps / tokens_per_batch * flops_per_batch
@@ -200,20 +216,23 @@ def main() -> None:
         f"{args.completion} completion) tokens, {args.steps} timed steps, fp32, "
         f"{torch.get_num_threads()} threads"
     )
-    print(f"matmul ceiling (1024^3 fp32): {ceiling / 1e9:.1f} GFLOP/s\n")
+    print(f"matmul ceiling (1024^3 fp32, best probe): {ceiling / 1e9:.1f} GFLOP/s\n")
     print(f"{'trainer':<28} {'tokens/s':>10} {'GFLOP/s':>9} {'of ceiling':>11}")
     print(
         f"{'legorl Trainer.train_step':<28} {ours:>10.0f} {achieved(ours) / 1e9:>9.2f} "
         f"{achieved(ours) / ceiling:>11.1%}"
     )
-    if isinstance(trl, str):
-        print(f"{'TRL GRPOTrainer':<28} {trl}")
+    if isinstance(trl_tps, str):
+        print(f"{'TRL GRPOTrainer':<28} {trl_tps}")
     else:
         print(
-            f"{'TRL GRPOTrainer (loss+step)':<28} {trl:>10.0f} {achieved(trl) / 1e9:>9.2f} "
-            f"{achieved(trl) / ceiling:>11.1%}"
+            f"{'TRL GRPOTrainer (loss+step)':<28} {trl_tps:>10.0f} {achieved(trl_tps) / 1e9:>9.2f} "
+            f"{achieved(trl_tps) / ceiling:>11.1%}"
         )
-        print(f"\nlegorl / TRL tokens/s: {ours / trl:.2f}x")
+        print(f"\nlegorl / TRL tokens/s: {ours / trl_tps:.2f}x")
+    print(
+        f"matmul probes: {min(ceilings) / 1e9:.1f}-{ceiling / 1e9:.1f} GFLOP/s; load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

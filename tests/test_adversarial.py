@@ -186,7 +186,7 @@ def test_agent_behaviour_hacks_get_reward_zero(tmp_path: Path) -> None:
             await box.close()
         return r, diff, await grade(TASK, diff, work_dir=tmp_path / "grade")
 
-    r, diff, rep = asyncio.run(main())
+    r, _diff, rep = asyncio.run(main())
     lines = r.output.split()
     assert lines[0] == "1", r.output  # one commit: no future history to read
     assert not [x for x in lines[1:] if "test_hidden" in x], r.output  # hidden tests are nowhere
@@ -319,9 +319,9 @@ def test_fork_memory_and_disk_bombs_leave_other_rollouts_unaffected(tmp_path: Pa
         finally:
             for box in boxes.values():
                 await box.close()
-        return results, failures, boxes
+        return results, failures
 
-    results, failures, boxes = asyncio.run(main())
+    results, failures = asyncio.run(main())
     assert failures == [], failures
     fork = results["fork_bomb"]
     assert not isinstance(fork, Exception)  # contained by RLIMIT_NPROC, then cleaned up by the timeout

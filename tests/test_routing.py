@@ -155,7 +155,11 @@ def test_bad_routes_are_rejected_clearly() -> None:
     with pytest.raises(ValueError, match="num_experts"), torch.no_grad(), replay_routing(model, bad_expert):
         model(input_ids=ids)
     wrong_len = torch.zeros(1, 5, LAYERS, TOP_K, dtype=torch.long)
-    with pytest.raises(ValueError, match="exactly this forward"), torch.no_grad(), replay_routing(model, wrong_len):
+    with (
+        pytest.raises(ValueError, match="exactly this forward"),
+        torch.no_grad(),
+        replay_routing(model, wrong_len),
+    ):
         model(input_ids=ids)
     dense = transformers.Qwen3ForCausalLM(
         transformers.Qwen3Config(

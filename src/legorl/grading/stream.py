@@ -122,7 +122,11 @@ class ResultServer:
     """Listens on a short Unix socket path; the first connection is the plugin's, later ones are refused."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="lgv-"))  # short: sun_path holds 108 bytes
+        # Short (sun_path holds 108 bytes); the outer dir is the driver's alone (0700), the inner one is
+        # bind-mounted into the grading sandbox, whose uid needs to enter it.
+        self._outer = Path(tempfile.mkdtemp(prefix="lgv-"))
+        self.dir = self._outer / "v"
+        self.dir.mkdir(mode=0o755)
         os.chmod(self.dir, 0o755)
         shutil.copyfile(PLUGIN_SOURCE, self.dir / f"{PLUGIN_MODULE}.py")
         os.chmod(self.dir / f"{PLUGIN_MODULE}.py", 0o444)
@@ -139,7 +143,7 @@ class ResultServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self._outer, ignore_errors=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections += 1

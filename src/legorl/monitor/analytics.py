@@ -14,7 +14,7 @@ from typing import Any
 from legorl.monitor import alarms as alarm_mod
 from legorl.monitor.behaviour import aggregate, analyse_calls
 from legorl.monitor.config import INFRA_OUTCOMES, AlarmConfig
-from legorl.monitor.db import RunDB
+from legorl.monitor.db import OutcomeMatrix, RunDB
 from legorl.records import Outcome
 
 OUTCOMES = [o.value for o in Outcome]
@@ -51,8 +51,9 @@ def _ratio(a: list[float | None], b: list[float | None], scale: float = 1.0) -> 
     return [x / y * scale if x is not None and y else None for x, y in zip(a, b)]
 
 
-def _outcome_chart(db: RunDB, split: str | None, cid: str, title: str) -> dict[str, Any]:
-    m = db.outcome_counts(split)
+def _outcome_chart(db: RunDB, split: str | None, cid: str, title: str,
+                   m: OutcomeMatrix | None = None) -> dict[str, Any]:
+    m = m or db.outcome_counts(split)
     order = [o for o in OUTCOMES if o in m.cols] + sorted(o for o in m.cols if o not in OUTCOMES)
     return chart(cid, title, m.x, {o: m.cols[o] for o in order}, kind="stacked", link="outcome", split=split)
 
@@ -143,16 +144,14 @@ _DIGITS = re.compile(r"\d+")
 
 
 def failures(db: RunDB, split: str | None = "train", infra: tuple[str, ...] = INFRA_OUTCOMES) -> dict[str, Any]:
-    stacked = _outcome_chart(db, split, "failures", "Outcome taxonomy per step")
+    matrix = db.outcome_counts(split)
+    stacked = _outcome_chart(db, split, "failures", "Outcome taxonomy per step", matrix)
     shares = dict(stacked)
     totals = [sum((s["values"][i] or 0.0) for s in stacked["series"]) for i in range(len(stacked["x"]))]
     shares.update(id="failure_share", title="Outcome share per step", kind="stacked",
                   series=[{"name": s["name"], "values": [v / t if t else None for v, t in zip(s["values"], totals)]}
                           for s in stacked["series"]])
-    count_by: dict[str, int] = {}
-    for r in db.query("SELECT outcome, COUNT(*) FROM rollouts WHERE outcome IS NOT NULL"
-                      + (" AND split = ?" if split else "") + " GROUP BY outcome", (split,) if split else ()):
-        count_by[str(r[0])] = int(r[1])
+    count_by = matrix.totals
     total = sum(count_by.values())
     reasons: dict[str, dict[str, list[int]]] = {}
     for outcome, reason, n, last in db.failure_reasons():
@@ -203,8 +202,10 @@ class BehaviourCache:
     def per_step(self) -> dict[int, dict[str, float]]:
         logged = {s: {k: v for k, v in m.items() if k.startswith("behaviour/")} for s, _, m in self.db.steps()}
         closed = set(logged)
+        after = max(closed, default=-(2**62))  # steps without metrics yet: in progress
         steps = sorted({int(r[0]) for r in self.db.query(
-            "SELECT DISTINCT step FROM rollouts WHERE split = 'train' AND outcome IS NOT NULL")} | closed)
+            "SELECT DISTINCT step FROM rollouts WHERE split = 'train' AND step > ? AND outcome IS NOT NULL",
+            (after,))} | closed)
         if len(steps) > self.max_steps:  # evenly spaced, always with the latest
             k = len(steps)
             steps = sorted({steps[i * (k - 1) // (self.max_steps - 1)] for i in range(self.max_steps)})
@@ -260,7 +261,7 @@ class AlarmBoard:
 
     def series(self) -> alarm_mod.Series:
         cfg = self.cfg
-        groups = self.db.cached(("groups",), self.db.group_stats)
+        groups = self.db.group_stats()
         need_tools = not any(cfg.tool_metric in m for _, _, m in self.db.steps())
         behaviour = self.cache.per_step() if need_tools and cfg.tool_metric.startswith("behaviour/") else {}
         s = alarm_mod.Series()

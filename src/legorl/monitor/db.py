@@ -189,6 +189,8 @@ class RunDB:
         self._matrix = OutcomeMatrix()  # train outcome counts of closed steps, grown as steps close
         self._matrix_upto: int | None = None
         self._matrix_lock = threading.Lock()
+        self._groups: dict[int, tuple[int, int]] = {}
+        self._groups_upto: int | None = None
         self.ensure_indexes()
 
     def ensure_indexes(self) -> None:
@@ -419,13 +421,22 @@ class RunDB:
             out.setdefault(str(r[0])[5:], []).append((int(r[1]), (r[3] or 0) / max(r[2], 1), int(r[2])))
         return out
 
-    def group_stats(self, split: str = "train") -> dict[int, tuple[int, int]]:
-        """step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal)."""
-        rows = self.query("SELECT step, COUNT(*), SUM(n >= 2 AND lo = hi) FROM ("
-                          " SELECT step, group_id, COUNT(reward) n, MIN(reward) lo, MAX(reward) hi FROM rollouts"
-                          " WHERE split = ? AND reward IS NOT NULL GROUP BY step, group_id HAVING n >= 2)"
-                          " GROUP BY step", (split,))
-        return {int(r[0]): (int(r[1]), int(r[2] or 0)) for r in rows}
+    def group_stats(self) -> dict[int, tuple[int, int]]:
+        """Train step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal); closed steps
+        are computed once."""
+        q = ("SELECT step, COUNT(*), SUM(lo = hi) FROM ("
+             " SELECT step, group_id, COUNT(reward) n, MIN(reward) lo, MAX(reward) hi FROM rollouts"
+             " WHERE split = 'train' AND step > ? AND step <= ? AND reward IS NOT NULL GROUP BY step, group_id"
+             " HAVING n >= 2) GROUP BY step")
+        closed = self.closed_step()
+        with self._matrix_lock:
+            upto = -(2**62) if self._groups_upto is None else self._groups_upto
+            if closed is not None and closed > upto:
+                self._groups.update({int(r[0]): (int(r[1]), int(r[2] or 0)) for r in self.query(q, (upto, closed))})
+                self._groups_upto = upto = closed
+            out = dict(self._groups)
+        out.update({int(r[0]): (int(r[1]), int(r[2] or 0)) for r in self.query(q, (upto, 2**62))})
+        return out
 
     def recent_failures(self, limit: int = 10) -> list[dict[str, Any]]:
         rows = self.query("SELECT id, step, task_id, split, outcome, outcome_reason FROM rollouts "
@@ -438,11 +449,12 @@ class RunDB:
                           "ORDER BY step DESC, updated DESC LIMIT ?", (outcome, limit))
         return [dict(r) for r in rows]
 
-    def failure_reasons(self, limit: int = 200) -> list[tuple[str, str, int, int]]:
-        """(outcome, reason prefix, count, last step), most frequent first."""
-        rows = self.query("SELECT outcome, substr(outcome_reason, 1, 90) r, COUNT(*) c, MAX(step) FROM rollouts "
-                          "WHERE outcome IS NOT NULL AND outcome != 'resolved' GROUP BY outcome, r "
-                          "ORDER BY c DESC LIMIT ?", (limit,))
+    def failure_reasons(self, limit: int = 200, window: int = 5000) -> list[tuple[str, str, int, int]]:
+        """(outcome, reason prefix, count, last step) over the latest `window` failures, most frequent first."""
+        rows = self.query("SELECT outcome, substr(outcome_reason, 1, 90) r, COUNT(*) c, MAX(step) FROM ("
+                          " SELECT outcome, outcome_reason, step FROM rollouts"
+                          " WHERE outcome IS NOT NULL AND outcome != 'resolved' ORDER BY step DESC LIMIT ?)"
+                          " GROUP BY outcome, r ORDER BY c DESC LIMIT ?", (window, limit))
         return [(str(r[0]), str(r[1] or ""), int(r[2]), int(r[3])) for r in rows]
 
     def rollout_ids_by_step(self, split: str = "train") -> dict[int, list[str]]:

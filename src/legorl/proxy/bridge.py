@@ -194,6 +194,50 @@ def same_reply(echoed: tuple, sampled: tuple, defaults: dict[str, dict[str, Any]
     return True
 
 
+class TemplateRenderer:
+    """`apply_chat_template(..., tokenize=False)` without its per-call deep copies.
+
+    transformers copies every message and tool schema into plain data on each render, which costs
+    more than the rendering itself for long harness prompts. Messages reaching the bridge are already
+    plain (canonical) data, so the compiled template renders them directly, with the same variables
+    (special tokens, tools, add_generation_prompt). The first renders are checked against
+    `apply_chat_template`; any difference switches this back to it for good.
+    """
+
+    def __init__(self, tokenizer: Any, verify_first: int = 3):
+        self.tok = tokenizer
+        self._verify_left = verify_first
+        self._compiled: Any = None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled = _compile_jinja_template(tokenizer.chat_template)
+            self._vars = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        except Exception:  # noqa: BLE001 - any problem: use the public API
+            self._compiled = None
+
+    def slow(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
+                                            tokenize=False)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        if self._compiled is None:
+            return self.slow(messages, tools, generation_prompt)
+        try:
+            text = self._compiled.render(messages=messages, tools=tools or None, documents=None,
+                                         add_generation_prompt=generation_prompt, **self._vars)
+        except Exception:  # noqa: BLE001 - let the public API raise its own error, if any
+            self._compiled = None
+            return self.slow(messages, tools, generation_prompt)
+        if self._verify_left > 0:
+            self._verify_left -= 1
+            slow = self.slow(messages, tools, generation_prompt)
+            if slow != text:
+                self._compiled = None
+                return slow
+        return text
+
+
 @dataclass
 class PastCall:
     """What a session remembers of one call, to bridge the next one."""
@@ -224,12 +268,10 @@ class TokenBridge:
         self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text)
         self.encoder = CachedEncoder(tokenizer)
+        self.renderer = TemplateRenderer(tokenizer)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(
-            template_messages(messages), tools=tools or None, add_generation_prompt=generation_prompt,
-            tokenize=False,
-        )
+        return self.renderer.render(template_messages(messages), tools, generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.encoder.encode(text)

@@ -178,7 +178,9 @@ class Proxy:
     # ---- serving --------------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, unix_socket: Path | None = None) -> None:
         sockets = []
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so; without it every answer
+        # (headers and body are two writes) waits ~40 ms for the client's delayed ACK (Nagle).
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tcp.bind((host, port))
         self.host = host if host not in ("0.0.0.0", "") else "127.0.0.1"

@@ -57,6 +57,11 @@ def _covered(path: Path, roots: Iterable[Path]) -> bool:
 
 def visible_paths(extra: Iterable[Path | str] = ()) -> list[Path]:
     """Host paths bound read-only, outermost only (a path inside another is dropped)."""
+    return list(_visible_paths(tuple(str(p) for p in extra)))
+
+
+@functools.lru_cache(maxsize=64)
+def _visible_paths(extra: tuple[str, ...]) -> tuple[Path, ...]:
     candidates = [Path(p) for p in STANDARD_DIRS]
     candidates += [Path(os.path.realpath(p)) for p in (*runtime_paths(), *extra)]
     out: list[Path] = []
@@ -65,29 +70,44 @@ def visible_paths(extra: Iterable[Path | str] = ()) -> list[Path]:
             continue
         if not _covered(p, [q for q in out if not q.is_symlink()]):
             out.append(p)
-    return out
+    return tuple(out)
 
 
 def hidden_inside(paths: Iterable[Path | str], visible: list[Path]) -> list[Path]:
     """The hide paths (and default secrets) that lie inside a visible path, resolved."""
-    home = Path.home()
-    wanted = [*map(Path, ETC_SECRETS), *(home / s for s in HOME_SECRETS), *map(Path, paths)]
-    roots = [v for v in visible if not v.is_symlink()]
-    out = []
-    for p in wanted:
+    roots = tuple(v for v in visible if not v.is_symlink())
+    out = list(_default_hidden(roots))
+    for p in map(Path, paths):
         p = Path(os.path.realpath(p))
-        if os.path.lexists(p) and _covered(p, roots) and p not in out:
+        if p not in out and os.path.lexists(p) and _covered(p, roots):
             out.append(p)
     return out
 
 
-def passwd_lines(uid: int, gid: int) -> tuple[str, str] | None:
-    """/etc/passwd and /etc/group contents naming the sandbox uid (None when the host has it)."""
+@functools.lru_cache(maxsize=16)
+def _default_hidden(roots: tuple[Path, ...]) -> tuple[Path, ...]:
+    home = Path.home()
+    out: list[Path] = []
+    for p in (*map(Path, ETC_SECRETS), *(home / s for s in HOME_SECRETS)):
+        p = Path(os.path.realpath(p))
+        if os.path.lexists(p) and _covered(p, roots) and p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _host_accounts() -> tuple[str, str] | None:
     try:
-        passwd = Path("/etc/passwd").read_text()
-        group = Path("/etc/group").read_text()
+        return Path("/etc/passwd").read_text(), Path("/etc/group").read_text()
     except OSError:
         return None
+
+
+def passwd_lines(uid: int, gid: int) -> tuple[str, str] | None:
+    """/etc/passwd and /etc/group contents naming the sandbox uid (None when the host has it)."""
+    if (accounts := _host_accounts()) is None:
+        return None
+    passwd, group = accounts
     if any(line.split(":")[2:3] == [str(uid)] for line in passwd.splitlines()):
         return None
     passwd = passwd.rstrip("\n") + f"\nsandbox:x:{uid}:{gid}:legorl sandbox:/tmp:/bin/bash\n"

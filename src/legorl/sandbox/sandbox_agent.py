@@ -76,7 +76,17 @@ def _wait_ready(pid: int, timeout: float) -> bool:
     import os
     import select
 
-    fd = os.pidfd_open(pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): poll the way Popen.wait(timeout) does
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            time.sleep(0.002)
+        return False
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)

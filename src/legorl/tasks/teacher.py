@@ -50,9 +50,43 @@ def _sed_escape(text: str, replacement: bool) -> str:
     return "".join("\\" + ch if ch in special else ch for ch in text)
 
 
-def sed_command(edit: LineEdit, line: int | None = None) -> str:
+def minimal_replacement(source: str, old: str, new: str) -> tuple[str, str]:
+    """The shortest whole-word span of `old` that changes and occurs once in `source`, with its new text.
+
+    `return [v for v in values if v > limit]` -> `v <= limit` becomes `s|v > limit|v <= limit|`:
+    less to copy for the model, and nothing to escape.
+    """
+    p = 0
+    while p < min(len(old), len(new)) and old[p] == new[p]:
+        p += 1
+    q = 0
+    while q < min(len(old), len(new)) - p and old[-1 - q] == new[-1 - q]:
+        q += 1
+    start, end = p, len(old) - q
+    boundary = " ([{,"
+
+    def grow() -> bool:
+        nonlocal start, end
+        grown = False
+        while start > 0 and old[start - 1] not in boundary:
+            start, grown = start - 1, True
+        while end < len(old) and old[end] not in " )]},:":
+            end, grown = end + 1, True
+        return grown
+
+    grow()
+    while source.count(old[start:end]) != 1 and (start > 0 or end < len(old)):
+        start, end = max(0, start - 1), min(len(old), end + 1)
+        grow()
+    return old[start:end], new[start: len(new) - (len(old) - end)]
+
+
+def sed_command(edit: LineEdit, line: int | None = None, source: str = "") -> str:
     """`sed -i 's|old|new|' path`, addressed to one line when the old text is not unique."""
-    old, new = _sed_escape(edit.old.strip(), False), _sed_escape(edit.new.strip(), True)
+    old, new = edit.old.strip(), edit.new.strip()
+    if source and not line:
+        old, new = minimal_replacement(source, edit.old, edit.new)
+    old, new = _sed_escape(old, False), _sed_escape(new, True)
     script = f"{line or ''}s|{old}|{new}|"
     return "sed -i '" + script.replace("'", "'\\''") + f"' {edit.path}"
 
@@ -89,7 +123,8 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> l
         _turn("Let me read the file.", read),
     ]
     if solve:
-        turns.append(_turn("This line is wrong. Let me fix it.", sed_command(edit, line)))
+        turns.append(_turn("This line is wrong. Let me fix it.",
+                           sed_command(edit, line, task.files.get(edit.path, ""))))
         if run_tests:
             turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
     turns.append(_turn("Done. Let me submit.", SUBMIT))
