@@ -295,8 +295,8 @@ def main() -> None:
             "legorl": (lambda s: f"/s/{s}/v1/chat/completions", {}),
             "litellm": (lambda s: "/v1/chat/completions", {"Authorization": "Bearer sk-bench"}),
         }
-        for name in procs:
-            if procs[name] is None:
+        for name, proc in procs.items():
+            if proc is None:
                 continue
             path_of, headers = paths[name]
             kw = {"calls": a.calls, "turns": a.turns, "concurrency": a.concurrency}

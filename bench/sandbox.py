@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.bwrap import BwrapSandbox, sandbox_path_env
 from legorl.sandbox.client import SandboxClient
 from legorl.tasks import generate_tasks, prepare_repo
 
@@ -73,41 +73,30 @@ async def bench_start(base: Path, repo_src: Path, n: int) -> tuple[list[float], 
     return prep, starts, stops
 
 
-async def bench_exec(base: Path, repo_src: Path, n: int) -> tuple[list[float], list[float]]:
+async def bench_exec(base: Path, repo_src: Path, n: int) -> tuple[list[float], list[float], list[float]]:
+    """Bare subprocess, async exec and blocking-client exec, interleaved so load drifts hit all three alike."""
     shutil.copytree(repo_src, base / "exec" / "ws", symlinks=True)
     box = await BwrapSandbox.create(workspace=base / "exec" / "ws", sandbox_dir=base / "exec" / "sb", label="bench")
+    client = SandboxClient(box.control_socket)
+    env = sandbox_path_env()  # the same environment as inside (its C.UTF-8 locale costs every process)
+    bare, async_lat, sync_lat = [], [], []
     try:
-        for _ in range(10):
-            await box.exec(COMMAND)
-        async_lat = []
-        for _ in range(n):
+        for i in range(10 + n):
             t = time.perf_counter()
+            subprocess.run(["bash", "-c", COMMAND], capture_output=True, check=True, env=env)  # noqa: ASYNC221
+            t1 = time.perf_counter()
             r = await box.exec(COMMAND)
-            async_lat.append(time.perf_counter() - t)
+            t2 = time.perf_counter()
+            client.exec(COMMAND)  # blocking on purpose: nothing else runs on this loop
+            t3 = time.perf_counter()
             assert r.output == "hi\n"
-        client = SandboxClient(box.control_socket)
-
-        def sync_loop() -> list[float]:
-            out = []
-            for _ in range(n):
-                t = time.perf_counter()
-                client.exec(COMMAND)
-                out.append(time.perf_counter() - t)
-            return out
-
-        sync_lat = await asyncio.to_thread(sync_loop)
+            if i >= 10:
+                bare.append(t1 - t)
+                async_lat.append(t2 - t1)
+                sync_lat.append(t3 - t2)
     finally:
         await box.close()
-    return async_lat, sync_lat
-
-
-def bench_bare(n: int) -> list[float]:
-    out = []
-    for _ in range(10 + n):
-        t = time.perf_counter()
-        subprocess.run(["bash", "-c", COMMAND], capture_output=True, check=True)
-        out.append(time.perf_counter() - t)
-    return out[10:]
+    return bare, async_lat, sync_lat
 
 
 def bench_peer(base: Path, repo_src: Path, n: int) -> list[float] | str:
@@ -169,8 +158,7 @@ async def run(args: argparse.Namespace) -> str:
         prepare_repo(task, repo_src)
         n_files = sum(1 for p in repo_src.rglob("*") if p.is_file())
         prep, starts, stops = await bench_start(base / "start", repo_src, args.starts)
-        bare = bench_bare(args.commands)
-        async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
+        bare, async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
         peer = bench_peer(base, repo_src, args.peer_commands)
         conc = await bench_concurrent(base / "conc", repo_src, args.concurrent)
     finally:
@@ -214,8 +202,10 @@ async def run(args: argparse.Namespace) -> str:
          "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
          "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
          "(saves the interpreter start, the largest user-space part)."),
-        (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent, which "
-         "forks `bash -c` with the sandbox's limits; the floor forks `bash -c` directly."),
+        (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent (a `ping` "
+         "alone is ~0.5 ms), which forks `bash -c` with the sandbox's limits; the floor forks `bash -c` "
+         "directly with the sandbox's environment (its `LC_ALL=C.UTF-8` makes every process load the locale "
+         "files, ~1 ms under this load); the three are interleaved command by command."),
         (f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
          f"{bwrap_version.split()[-1]}, Python {platform.python_version()}; load average {load_before} before / "
          f"{load()} after. The machine is shared with other jobs: absolute figures move with load; ratios "

@@ -119,6 +119,8 @@ def trl_step(
         num_generations=batch,
         max_completion_length=completion,
         beta=0.0,
+        bf16=False,  # fp32 like legorl's default; TRL's own default is bf16 autocast
+        gradient_checkpointing=False,  # TRL's default recomputes activations; legorl's does not
         learning_rate=1e-5,
         report_to=[],
         logging_steps=10**6,

@@ -201,7 +201,7 @@ app.command("dashboard")(dashboard_command)
 from legorl.engine.cli import serve_command
 
 app.command("serve")(serve_command)
-from legorl.proxy.cli import proxy_command  # noqa: E402
+from legorl.proxy.cli import proxy_command
 
 app.command("proxy")(proxy_command)
 

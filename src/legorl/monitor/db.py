@@ -309,10 +309,18 @@ class RunDB:
         offset = (page - 1) * per_page
         # A filter no single index seeks is answered from one covering index (its rows are never read)
         by = self._by(hint) if (hint := f.covering_index(col)) and self.indexed else ""
-        ids = [int(r[0]) for r in self.query(
-            f"SELECT rowid FROM rollouts{by}{where} ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?",
-            params + [per_page, offset])]
-        total = int(self.query(f"SELECT COUNT(*) FROM rollouts{by}{where}", params)[0][0])
+        order = f"ORDER BY {col} {direction}, rowid {direction} LIMIT ? OFFSET ?"
+        if by:  # a full scan of that index anyway: count in the same pass
+            found = self.query(f"SELECT rowid, COUNT(*) OVER () FROM rollouts{by}{where} {order}",
+                               params + [per_page, offset])
+            ids = [int(r[0]) for r in found]
+            total = int(found[0][1]) if found else None
+        else:
+            ids = [int(r[0]) for r in self.query(f"SELECT rowid FROM rollouts{where} {order}",
+                                                 params + [per_page, offset])]
+            total = None
+        if total is None:
+            total = int(self.query(f"SELECT COUNT(*) FROM rollouts{by}{where}", params)[0][0])
         by_rowid: dict[int, dict[str, Any]] = {}
         if ids:
             marks = ", ".join("?" * len(ids))

@@ -22,6 +22,7 @@ tokens are what the next prompt continues from either way).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import OrderedDict
@@ -248,6 +249,7 @@ class PastCall:
     reply: tuple  # normalised assistant reply
     prompt_ids: list[int]
     completion_ids: list[int]
+    prompt_text: str = ""  # the rendered prompt (kept for recent calls only): lets a child skip a render
 
 
 @dataclass
@@ -257,6 +259,7 @@ class BridgeResult:
     segment_break: str | None
     naive_differs: bool
     naive_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
 
 
 NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not extend any earlier call of this session"
@@ -269,6 +272,8 @@ class TokenBridge:
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text)
         self.encoder = CachedEncoder(tokenizer)
         self.renderer = TemplateRenderer(tokenizer)
+        self._fast_ok = True
+        self._fast_verify_left = 3
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.renderer.render(template_messages(messages), tools, generation_prompt)
@@ -281,15 +286,16 @@ class TokenBridge:
 
     @staticmethod
     def tools_key(tools: list[dict] | None) -> str:
-        return json.dumps(tools or [], sort_keys=True)
+        return hashlib.sha1(json.dumps(tools or [], sort_keys=True).encode()).hexdigest()
 
-    def build(self, messages: list[dict], tools: list[dict] | None, history: list[PastCall]) -> BridgeResult:
+    def build(self, messages: list[dict], tools: list[dict] | None, history: list[PastCall],
+              tools_key: str | None = None) -> BridgeResult:
         full = self.render(messages, tools, generation_prompt=True)
         naive_ids = self.encode(full)
         if not history:
-            return BridgeResult(naive_ids, None, None, False, naive_ids)
+            return BridgeResult(naive_ids, None, None, False, naive_ids, full)
         norm = [normalize_message(m) for m in messages]
-        tkey = self.tools_key(tools)
+        tkey = tools_key if tools_key is not None else self.tools_key(tools)
         defaults = schema_defaults(tools)
         reason = NEW_CONVERSATION
         best_prefix = -1
@@ -312,20 +318,41 @@ class TokenBridge:
             if ids is None:
                 reason = "chat template is not prefix-stable for this history"
                 break
-            return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids)
-        return BridgeResult(naive_ids, None, reason, False, naive_ids)
+            return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids, full)
+        return BridgeResult(naive_ids, None, reason, False, naive_ids, full)
+
+    def _reply_end(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
+                   full: str) -> int | None:
+        """Where, in `full`, the end-of-turn token closing message k-1 (the parent's reply) starts.
+
+        Exact way: render messages[:k] and find its last end-of-turn. Fast way (no second render):
+        the first end-of-turn after the parent's own rendered prompt, valid when the reply's text holds
+        no end-of-turn string; the fast way is checked against the exact one on the first bridges.
+        """
+        fast = None
+        if self._fast_ok and past.prompt_text and full.startswith(past.prompt_text) and \
+                self.eos_text not in json.dumps(messages[k - 1], ensure_ascii=False, default=str):
+            at = full.find(self.eos_text, len(past.prompt_text))
+            fast = at if at >= 0 else None
+        if fast is not None and self._fast_verify_left <= 0:
+            return fast
+        upto_reply = self.render(messages[:k], tools, generation_prompt=False)
+        if not full.startswith(upto_reply):
+            return None
+        end = upto_reply.rfind(self.eos_text)
+        if fast is not None:
+            self._fast_verify_left -= 1
+            if fast != end:
+                self._fast_ok = False
+        return end if end >= 0 else None
 
     def _bridge(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
                 full: str) -> list[int] | None:
         """Tokens of `full` with the first k messages replaced by the parent's exact tokens."""
-        upto_reply = self.render(messages[:k], tools, generation_prompt=False)
-        if not full.startswith(upto_reply):
+        end = self._reply_end(messages, tools, k, past, full)
+        if end is None:
             return None
-        # What the template puts after the assistant's end-of-turn token (e.g. "\n").
-        end = upto_reply.rfind(self.eos_text)
-        if end < 0:
-            return None
-        after_eos = upto_reply[end + len(self.eos_text):]
+        # After the reply's end-of-turn: what the template puts there (e.g. "\n"), then the new turns.
         closing = "" if past.completion_ids and past.completion_ids[-1] == self.eos_id else self.eos_text
-        tail = closing + after_eos + full[len(upto_reply):]
+        tail = closing + full[end + len(self.eos_text):]
         return past.prompt_ids + past.completion_ids + self.encode(tail)

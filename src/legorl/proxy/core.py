@@ -22,6 +22,8 @@ from legorl.proxy.sessions import Session
 from legorl.proxy.toolcalls import ToolCallParser
 from legorl.records import GenerationResult, LLMCall, SamplingParams, ToolCall
 
+TEXTS_KEPT = 4
+
 
 @dataclass
 class SamplingOverride:
@@ -77,7 +79,8 @@ class CallCore:
 
     async def complete(self, session: Session, req: ChatRequest, tool_id_prefix: str = "call_") -> Completion:
         t_start = time.time()
-        bridged = self.bridge.build(req.messages, req.tools, session.history)
+        tools_key = self.bridge.tools_key(req.tools)
+        bridged = self.bridge.build(req.messages, req.tools, session.history, tools_key)
         params = self.sampling_params(req)
         engine = self.engine
         try:
@@ -100,13 +103,14 @@ class CallCore:
         t_end = time.time()
         choices = []
         for j, result in enumerate(results):
-            choices.append(self._record(session, req, bridged, result, j, t_start, t_end, tool_id_prefix))
+            choices.append(self._record(session, req, bridged, result, j, t_start, t_end, tool_id_prefix,
+                                        tools_key))
         self.by_format[req.wire_format] = self.by_format.get(req.wire_format, 0) + 1
         return Completion(id="", created=int(t_start), model=req.model or self.model_name,
                           prompt_tokens=len(bridged.prompt_ids), choices=choices)
 
     def _record(self, session: Session, req: ChatRequest, bridged: Any, result: GenerationResult, j: int,
-                t_start: float, t_end: float, tool_id_prefix: str) -> Choice:
+                t_start: float, t_end: float, tool_id_prefix: str, tools_key: str) -> Choice:
         text = self.tok.decode(result.completion_ids, skip_special_tokens=False)
         eos = self.bridge.eos_text
         body_text = text.removesuffix(eos)
@@ -136,14 +140,16 @@ class CallCore:
         )
         if self.on_call is not None:
             self.on_call(call)  # persisted before the harness sees the answer
-        if first:
-            session.segments += bridged.parent_index is None
-            session.bridge_hits += bridged.parent_index is not None
-            session.drift_prevented += bool(bridged.naive_differs)
+        # counted per recorded call, as `legorl report` counts them
+        session.segments += bridged.parent_index is None
+        session.bridge_hits += bridged.parent_index is not None
+        session.drift_prevented += bool(bridged.naive_differs)
+        if len(session.history) >= TEXTS_KEPT:  # rendered texts are only worth keeping for recent calls
+            session.history[-TEXTS_KEPT].prompt_text = ""
         session.history.append(PastCall(
             index=call.index, messages=[normalize_message(m) for m in req.messages],
-            tools_key=self.bridge.tools_key(req.tools), reply=normalize_message(reply_message(content, tool_calls)),
-            prompt_ids=call.prompt_ids, completion_ids=call.completion_ids))
+            tools_key=tools_key, reply=normalize_message(reply_message(content, tool_calls)),
+            prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text))
         session.n_calls += 1
         return Choice(call=call, content=content, tool_calls=tool_calls, finish=finish,
                       stop_sequence=stop_sequence)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 from pathlib import Path
 from typing import Any, Self
 
@@ -19,6 +20,22 @@ from legorl.sandbox.client import (
 from legorl.sandbox.watchdog import Watch
 
 READ_LIMIT = 64 * 1024 * 1024  # one JSON reply line may carry a large command output
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """One reply line (b"" if the agent closed first). Plain socket reads: fewer loop hops than streams."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await loop.sock_recv(sock, 1 << 20)
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            return b"".join(chunks)
+        if size > READ_LIMIT:
+            raise ValueError(f"reply longer than {READ_LIMIT} bytes")
 
 
 class ControlledSandbox:
@@ -50,20 +67,19 @@ class ControlledSandbox:
             raise SandboxError(f"sandbox {self.label} is closed")
         if self.violation:
             raise self._dead("")
+        loop = asyncio.get_running_loop()
         try:
             sock = connect_unix(self.control_socket, 5.0)
-            sock.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_LIMIT)
         except OSError as e:
             raise self._dead(f"control socket unreachable: {e}") from e
+        sock.setblocking(False)
         try:
-            writer.write(json.dumps(payload).encode() + b"\n")
-            await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), timeout)
+            await loop.sock_sendall(sock, json.dumps(payload).encode() + b"\n")
+            line = await asyncio.wait_for(_read_line(loop, sock), timeout)
         except (TimeoutError, OSError, ValueError) as e:
             raise self._dead(f"no reply from agent: {e!r}") from e
         finally:
-            writer.close()
+            sock.close()
         if not line:
             raise self._dead("agent closed the connection (sandbox died?)")
         return json.loads(line)

@@ -95,6 +95,7 @@ const Charts = (() => {
       if (nonneg) lo = Math.max(0, lo);
     }
     const log = !!spec.ylog;
+    if (log && lo > 0) { lo = Math.pow(10, Math.floor(Math.log10(lo))); hi = Math.pow(10, Math.ceil(Math.log10(hi))); }
     const ty = log ? (v => Math.log10(v)) : (v => v);
     const L = ty(lo), Hh = ty(hi);
     const Y = v => M.t + ph - (ty(v) - L) / ((Hh - L) || 1) * ph;
@@ -103,7 +104,8 @@ const Charts = (() => {
     const band = pw / n;
     const X = stacked ? (i => M.l + band * (i + 0.5)) : (i => M.l + (xmax === xmin ? pw / 2 : (xs[i] - xmin) / (xmax - xmin) * pw));
     // grid and axes
-    const yt = log ? ticks(Math.floor(L), Math.ceil(Hh), Math.min(5, Math.ceil(Hh) - Math.floor(L) || 1)).map(e => Math.pow(10, e))
+    const decades = Math.round(Hh - L), every = Math.max(1, Math.ceil(decades / 5));
+    const yt = log ? Array.from({length: Math.floor(decades / every) + 1}, (_, i) => Math.pow(10, Math.round(L) + i * every))
       : ticks(lo, hi, 4);
     for (const v of yt) {
       if (v < lo - 1e-12 || v > hi + 1e-12) continue;
