@@ -13,6 +13,7 @@ the same app (framework overhead), measured in the same run; the target is under
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import statistics
@@ -69,6 +70,7 @@ def main() -> None:
     from legorl.monitor.server import create_app
     from legorl.monitor.synthetic import SyntheticSpec, build_synthetic_store
 
+    load_before = os.getloadavg()
     run = args.dir or Path(tempfile.mkdtemp(prefix="legorl-bench-dashboard-"))
     spec = SyntheticSpec(steps=args.steps, rollouts_per_step=args.rollouts_per_step,
                          group_size=4, calls_per_rollout=args.calls_per_rollout, tasks=2000, eval_every=0,
@@ -107,11 +109,12 @@ def main() -> None:
     worst = max(r[3] for r in rows)
     verdict = "met" if worst < TARGET_MS else "NOT met"
     print(f"target < {TARGET_MS:.0f} ms: {verdict} (worst cold p99 {worst:.1f} ms)")
+    load = (load_before, os.getloadavg())
     if args.update_benchmarks:
-        write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst)
+        write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst, load)
 
 
-def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst) -> None:
+def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, worst, load) -> None:
     cpu = platform.processor() or platform.machine()
     lines = [
         "## Dashboard",
@@ -133,8 +136,10 @@ def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, w
     lines += [
         f"| floor: `/api/health` (framework overhead) | {f50:.1f} | | | 1.0x |",
         "",
-        (f"Machine: {platform.system()} {cpu}, Python {platform.python_version()}, 2 cores shared with other "
-        "jobs running at the same time (figures are noisy; ratios to the floor are the stable part)."),
+        (f"Machine: {platform.system()} {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+         "shared with other jobs running at the same time (load average "
+         f"{' / '.join(f'{x:.1f}' for x in load[0])} before, {' / '.join(f'{x:.1f}' for x in load[1])} after): "
+         "absolute figures move with load, ratios to the floor measured in the same run are the stable part."),
         "",
         ("Reproduce: `.venv/bin/python bench/dashboard.py --update-benchmarks` "
         f"(defaults: --steps {args.steps} --rollouts-per-step {args.rollouts_per_step} "

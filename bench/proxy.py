@@ -177,19 +177,75 @@ async def session(port: int, path: str, headers: dict[str, str], turns: int, lat
         conn.close()
 
 
-async def measure(name: str, port: int, path_of: Any, headers: dict[str, str], *, calls: int, turns: int,
-                  concurrency: int) -> dict[str, float]:
-    seq: list[float] = []
-    for i in range(max(1, calls // turns)):  # sequential: latency
-        await session(port, path_of(f"{name}-seq-{i}"), headers, turns, seq)
-    par: list[float] = []
+async def latency_round(port: int, path_of: Any, headers: dict[str, str], tag: str, sessions: int,
+                        turns: int, lat: list[float]) -> None:
+    for i in range(sessions):  # sequential: one call in flight
+        await session(port, path_of(f"{tag}-{i}"), headers, turns, lat)
+
+
+async def throughput(port: int, path_of: Any, headers: dict[str, str], tag: str, concurrency: int,
+                     turns: int) -> tuple[float, list[float]]:
+    lat: list[float] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(session(port, path_of(f"{name}-par-{i}"), headers, turns, par)
-                           for i in range(concurrency)))
-    wall = time.perf_counter() - t0
-    q = statistics.quantiles(seq, n=100)
-    return {"p50_ms": statistics.median(seq) * 1e3, "p99_ms": q[98] * 1e3, "calls_per_s": len(par) / wall,
-            "p50_ms_at_concurrency": statistics.median(par) * 1e3}
+    await asyncio.gather(*(session(port, path_of(f"{tag}-{i}"), headers, turns, lat) for i in range(concurrency)))
+    return len(lat) / (time.perf_counter() - t0), lat
+
+
+def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
+    """CPU time per call of the work itself, in this process, without HTTP (steadier than wall time
+    on a shared machine): the engine server's handler vs legorl's call path (bridge, engine, parse,
+    record to SQLite, answer)."""
+    from legorl.proxy.bridge import CachedEncoder, template_messages
+    from legorl.proxy.core import CallCore, SamplingOverride
+    from legorl.proxy.openai_chat import OpenAIChat
+    from legorl.proxy.sessions import Session
+    from legorl.proxy.toolcalls import TaggedJsonParser
+    from legorl.store import Store
+
+    tok = load_tokenizer(cache)
+    engine = fixed_engine(tok)
+    enc = CachedEncoder(tok)
+    store = Store(Path(tempfile.mkdtemp(prefix="legorl-bench-cpu-")) / "store.sqlite")
+    core = CallCore(engine, tok, sampling=SamplingOverride(max_tokens=64), parser=TaggedJsonParser(),
+                    model_name=MODEL, on_call=store.add_call)
+    fmt = OpenAIChat(tok)
+
+    async def engine_side(raw: bytes) -> str:
+        body = json.loads(raw)
+        text = tok.apply_chat_template(template_messages(body["messages"]), tools=body.get("tools"),
+                                       add_generation_prompt=True, tokenize=False)
+        r = await engine.generate(enc.encode(text), None)
+        out = tok.decode(r.completion_ids, skip_special_tokens=True)
+        json.dumps({"choices": [{"message": {"role": "assistant", "content": out}}]})
+        return out
+
+    async def legorl_side(raw: bytes, sess: Session) -> str:
+        req = fmt.parse(json.loads(raw))
+        comp = await core.complete(sess, req)
+        comp.id = "x"
+        json.dumps(fmt.answer(comp, req))
+        return comp.choices[0].content or ""
+
+    async def run(which: str) -> float:
+        t0 = time.process_time()
+        for i in range(n_sessions):
+            sess = Session(token=f"{which}{i}", rollout_id=f"{which}{i}")
+            msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                          {"role": "user", "content": "The test test_parse fails; fix it."}]
+            for t in range(turns):
+                raw = json.dumps({"model": MODEL, "messages": msgs, "tools": TOOLS}).encode()
+                out = await (engine_side(raw) if which == "engine" else legorl_side(raw, sess))
+                msgs = msgs + [{"role": "assistant", "content": out}, {"role": "user", "content": f"step {t} ok"}]
+        return (time.process_time() - t0) / (n_sessions * turns) * 1e3
+
+    async def main() -> dict[str, float]:
+        await run("engine")
+        await run("legorl")  # warm-up (template compile, caches, first-use checks)
+        e = min([await run("engine") for _ in range(3)])
+        lg = min([await run("legorl") for _ in range(3)])
+        return {"engine_cpu_ms": e, "legorl_cpu_ms": lg}
+
+    return asyncio.run(main())
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
@@ -295,18 +351,35 @@ def main() -> None:
             "legorl": (lambda s: f"/s/{s}/v1/chat/completions", {}),
             "litellm": (lambda s: "/v1/chat/completions", {"Authorization": "Bearer sk-bench"}),
         }
-        for name, proc in procs.items():
-            if proc is None:
-                continue
-            path_of, headers = paths[name]
-            kw = {"calls": a.calls, "turns": a.turns, "concurrency": a.concurrency}
-            asyncio.run(measure(name, ports[name], path_of, headers, calls=a.turns * 2, turns=a.turns,
-                                concurrency=4))  # warm-up
-            results[name] = asyncio.run(measure(name, ports[name], path_of, headers, **kw))
-            print(name, json.dumps({k: round(v, 3) for k, v in results[name].items()}), flush=True)
+        live = [n for n, p in procs.items() if p is not None]
+        lat: dict[str, list[float]] = {n: [] for n in live}
+        rounds = 6
+        per_round = max(1, a.calls // (rounds * a.turns))
+        for n in live:  # warm-up
+            asyncio.run(latency_round(ports[n], paths[n][0], paths[n][1], f"{n}-warm", 2, a.turns, []))
+        for r in range(rounds):  # interleaved, so load changes on a shared machine hit every path alike
+            for n in live:
+                asyncio.run(latency_round(ports[n], paths[n][0], paths[n][1], f"{n}-seq{r}", per_round, a.turns,
+                                          lat[n]))
+        rates: dict[str, list[float]] = {n: [] for n in live}
+        conc_lat: dict[str, list[float]] = {n: [] for n in live}
+        for r in range(2):
+            for n in live:
+                rate, cl = asyncio.run(throughput(ports[n], paths[n][0], paths[n][1], f"{n}-par{r}", a.concurrency,
+                                                  a.turns))
+                rates[n].append(rate)
+                conc_lat[n] += cl
+        for n in live:
+            q = statistics.quantiles(lat[n], n=100)
+            results[n] = {"p50_ms": statistics.median(lat[n]) * 1e3, "p99_ms": q[98] * 1e3,
+                          "calls_per_s": statistics.mean(rates[n]),
+                          "p50_ms_at_concurrency": statistics.median(conc_lat[n]) * 1e3}
+            print(n, json.dumps({k: round(v, 3) for k, v in results[n].items()}), flush=True)
     finally:
         for proc in procs.values():
             stop(proc)
+    cpu = cpu_per_call(a.cache, 8, a.turns)
+    print("cpu", json.dumps({k: round(v, 3) for k, v in cpu.items()}), flush=True)
     base = results["engine"]
     rows = []
     for name in ("engine", "legorl", "litellm"):
@@ -329,6 +402,11 @@ def main() -> None:
         ratio = (f"\nlegorl's added p50 is {a_l:.2f} ms, {a_l / a_t:.3f}× LiteLLM's ({a_t:.2f} ms); "
                  f"throughput {results['legorl']['calls_per_s'] / results['litellm']['calls_per_s']:.1f}× "
                  "LiteLLM's.\n")
+    added_cpu = cpu["legorl_cpu_ms"] - cpu["engine_cpu_ms"]
+    lines.append("")
+    lines.append(f"CPU per call without HTTP (in one process, best of 3): engine server work "
+                 f"{cpu['engine_cpu_ms']:.2f} ms, legorl's call path {cpu['legorl_cpu_ms']:.2f} ms: "
+                 f"**{added_cpu:.2f} ms added per call**.")
     table = "\n".join(lines)
     print(table + ratio)
     if a.write:

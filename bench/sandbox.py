@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from legorl.sandbox.bwrap import BwrapSandbox, sandbox_path_env
+from legorl.sandbox.bwrap import BwrapSandbox, bwrap_argv, host_python, sandbox_ids, sandbox_path_env
 from legorl.sandbox.client import SandboxClient
 from legorl.tasks import generate_tasks, prepare_repo
 
@@ -99,6 +99,23 @@ async def bench_exec(base: Path, repo_src: Path, n: int) -> tuple[list[float], l
     return bare, async_lat, sync_lat
 
 
+def bench_start_parts(base: Path, repo_src: Path, n: int) -> tuple[list[float], list[float]]:
+    """Where a start goes: bwrap with the same mounts running /bin/true, and CPython's own start."""
+    (base / "parts" / "ctl").mkdir(parents=True)
+    argv = bwrap_argv(workspace=repo_src, ctl_dir=base / "parts" / "ctl", label="bench", proxy_socket=None,
+                      relay_port=18000, drop_to=sandbox_ids())  # fmt: skip
+    bwrap_only = argv[: argv.index("--") + 1] + ["/bin/true"]
+    bw, py = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run(bwrap_only, check=False)
+        t1 = time.perf_counter()
+        subprocess.run([host_python(), "-I", "-S", "-c", "pass"], check=True)
+        bw.append(t1 - t)
+        py.append(time.perf_counter() - t1)
+    return bw, py
+
+
 def bench_peer(base: Path, repo_src: Path, n: int) -> list[float] | str:
     try:
         from minisweagent.environments.extra.bubblewrap import BubblewrapEnvironment
@@ -158,6 +175,7 @@ async def run(args: argparse.Namespace) -> str:
         prepare_repo(task, repo_src)
         n_files = sum(1 for p in repo_src.rglob("*") if p.is_file())
         prep, starts, stops = await bench_start(base / "start", repo_src, args.starts)
+        bw_only, py_only = bench_start_parts(base, repo_src, min(args.starts, 20))
         bare, async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
         peer = bench_peer(base, repo_src, args.peer_commands)
         conc = await bench_concurrent(base / "conc", repo_src, args.concurrent)
@@ -177,6 +195,8 @@ async def run(args: argparse.Namespace) -> str:
         lines.append(row("mini-swe-agent BubblewrapEnvironment (peer)", peer, floor, "new bwrap per command"))
     lines += [
         row("legorl sandbox start (workspace ready)", starts, None, f"small repo, {n_files} files"),
+        row("  of which: bwrap alone, same mounts (`/bin/true`)", bw_only, None, "namespaces + mounts"),
+        row("  of which: CPython start (`-I -S -c pass`)", py_only, None, "the in-sandbox agent's interpreter"),
         row("legorl sandbox teardown", stops, None, "kill + reap"),
         row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
         row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]

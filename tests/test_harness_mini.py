@@ -49,8 +49,8 @@ def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenize
     assert good.reward == 1.0
     assert good.report.tests and all(v == "passed" for v in good.report.tests.values())
     assert "-" + t_ok.patch.split("\n-")[1].split("\n")[0].lstrip("-") in good.diff  # the sed edit is the diff
-    assert len(good.calls) == 5  # grep, cat, sed, pytest, submit
-    assert [c.parent_index for c in good.calls] == [None, 0, 1, 2, 3]  # one token-exact chain
+    assert len(good.calls) == 4  # read, sed, pytest, submit
+    assert [c.parent_index for c in good.calls] == [None, 0, 1, 2]  # one token-exact chain
 
     assert wrong.outcome == Outcome.UNRESOLVED and wrong.reward == 0.0
     assert wrong.diff.strip() == ""

@@ -70,6 +70,7 @@ class CallCore:
         self.model_name = model_name
         self.on_call = on_call
         self.by_format: dict[str, int] = {}
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | {self.bridge.eos_id}
 
     def sampling_params(self, req: ChatRequest) -> SamplingParams:
         cap = self.sampling.max_tokens
@@ -112,10 +113,11 @@ class CallCore:
     def _record(self, session: Session, req: ChatRequest, bridged: Any, result: GenerationResult, j: int,
                 t_start: float, t_end: float, tool_id_prefix: str, tools_key: str) -> Choice:
         text = self.tok.decode(result.completion_ids, skip_special_tokens=False)
-        eos = self.bridge.eos_text
-        body_text = text.removesuffix(eos)
+        last = result.completion_ids[-1]
+        ended = last in self._special_ids  # stopped on an end-of-turn / end-of-text token
+        body_text = text.removesuffix(self.tok.convert_ids_to_tokens(last)) if ended else text
         stop_sequence = None
-        if result.finish_reason == "stop" and not text.endswith(eos):
+        if result.finish_reason == "stop" and not ended:
             hits = [(body_text.find(s), s) for s in req.stop if s in body_text]
             if hits:
                 at, stop_sequence = min(hits)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -45,6 +46,8 @@ from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
 from legorl.records import LLMCall
 
 __all__ = ["MAX_BODY_BYTES", "Proxy", "ProxyError", "SamplingOverride"]
+
+log = logging.getLogger("legorl.proxy")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 KEEPALIVE_S = 10.0
@@ -309,6 +312,10 @@ class Proxy:
                                      headers={"cache-control": "no-cache"})
         except ProxyError as e:
             return _json_response(fmt.error_body(e), e.status)
+        except Exception as e:  # a proxy bug: answer in the format's shape, keep serving
+            log.exception("proxy error on %s", request.url.path)
+            err = ProxyError(f"internal proxy error: {type(e).__name__}: {e}", "engine_error")
+            return _json_response(fmt.error_body(err), err.status)
 
     async def _late_stream(self, fmt: Any, task: asyncio.Task, req: ChatRequest) -> AsyncIterator[str]:
         """A slow completion: SSE comments keep the connection alive, then the stream or its error."""

@@ -110,21 +110,21 @@ def function_name(task: Task, edit: LineEdit) -> str:
 
 
 def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> list[str]:
-    """Assistant turns for one episode. solve=False reads and submits without fixing.
+    """Assistant turns for one episode: read the function's file, fix the line, submit.
 
-    run_tests adds a `pytest` turn before submitting; off by default because its output
-    makes episodes much longer for the small embedded model.
+    The file is found with `grep -rl 'def NAME' .` inside each command, so the agent never has to
+    copy a path out of earlier output: a small model can learn it from a few dozen episodes.
+    solve=False reads and submits without fixing. run_tests adds a `pytest` turn before submitting
+    (off by default: its output makes episodes much longer for the small embedded model).
     """
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
-    read = f"nl -ba {edit.path}" if line else f"cat {edit.path}"  # line numbers when the fix needs one
-    turns = [
-        _turn("Let me find the function.", f"grep -rn 'def {function_name(task, edit)}' ."),
-        _turn("Let me read the file.", read),
-    ]
+    where = f"$(grep -rl 'def {function_name(task, edit)}' .)"
+    read = f"nl -ba {where}" if line else f"cat {where}"  # line numbers when the fix needs one
+    turns = [_turn("Let me read the function.", read)]
     if solve:
-        turns.append(_turn("This line is wrong. Let me fix it.",
-                           sed_command(edit, line, task.files.get(edit.path, ""))))
+        fix = sed_command(edit, line, task.files.get(edit.path, "")).replace(f" {edit.path}", f" {where}")
+        turns.append(_turn("This line is wrong. Let me fix it.", fix))
         if run_tests:
             turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
     turns.append(_turn("Done. Let me submit.", SUBMIT))

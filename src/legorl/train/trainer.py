@@ -250,7 +250,7 @@ class Trainer:
         skip = n_loss == 0 or not signal
         minis = mini_batches(sequences, self.mini_batches)
         n_updates = self.ppo_epochs * len(minis)
-        decoupled = n_updates > 1 or self._rejects()
+        st = _Step(decoupled=n_updates > 1 or self._rejects())
         plan = [
             [
                 collate(sequences, idx, self.pad_id, self.device, self.route_shape)
@@ -258,111 +258,104 @@ class Trainer:
             ]
             for mb in minis
         ]
-        first_sight, update_sight = _RouteAcc(), _RouteAcc()
-        g: dict[str, list[Tensor]] = {k: [] for k in ("old", "roll", "ent", "w", "trunc", "kept", "kl_ref")}
-        corrections: dict[int, ISCorrection] = {}
-        weights: list[float] = [0.0] * len(sequences)
-
-        def gather_old(mb: Micro, old: Tensor, ent: Tensor, corr: ISCorrection, ref: Tensor | None) -> None:
-            m = mb.mask
-            g["old"].append(old.detach()[m])
-            g["roll"].append(mb.rollout_logp[m])
-            g["ent"].append(ent.detach()[m])
-            g["w"].append(corr.weight[corr.keep])
-            g["trunc"].append(corr.truncated[corr.keep].float())
-            g["kept"].append(corr.keep[m].float())
-            if ref is not None:
-                g["kl_ref"].append(k3(old.detach(), ref)[corr.keep])
-
-        if decoupled or skip:
+        if st.decoupled or skip:
             for micros in plan:
                 for mb in micros:
-                    stats = ReplayStats()
-                    self._old_pass(mb, stats)
-                    first_sight.add(stats, mb)
-                    corr = corrections[id(mb)] = self._correction(mb.cache["old_logp"], mb)
-                    gather_old(mb, mb.cache["old_logp"], mb.cache["entropy"], corr, mb.cache.get("ref_logp"))
-            for micros in plan:
-                counts = {
-                    i: int(corrections[id(mb)].keep[r].sum()) for mb in micros for r, i in enumerate(mb.index)
-                }
-                idx = sorted(counts)
-                for i, w in zip(
-                    idx, self._sequence_weights([sequences[i] for i in idx], [counts[i] for i in idx])
-                ):
-                    weights[i] = w
-        else:
-            for micros in plan:
-                idx = [i for mb in micros for i in mb.index]
-                for i, w in zip(idx, self._sequence_weights([sequences[i] for i in idx])):
-                    weights[i] = w
+                    self._old_pass_metrics(mb, st)
+        weights = self._weights(sequences, plan, st if (st.decoupled or skip) else None)
 
-        upd: dict[str, list[Tensor]] = {k: [] for k in ("ppo_kl", "clipped", "ratio")}
-        metrics: dict[str, float] = {}
-        loss_total, grad_norms, n_ok = 0.0, [], 0
+        metrics: dict[str, float] = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0}
         if not skip:
-            for epoch in range(self.ppo_epochs):
+            loss_total, grad_norms, n_ok = 0.0, [], 0
+            for _epoch in range(self.ppo_epochs):
                 for micros in plan:
                     self.optimizer.zero_grad(set_to_none=True)
                     for j, mb in enumerate(micros):
-                        routes = self._forward_routes(mb, decoupled)
-                        stats = ReplayStats()
-                        with (
-                            dist.no_sync_if_sharded(self.model, j == len(micros) - 1),
-                            self._routing(self.model, routes, None, stats),
-                        ):
-                            cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
-                            if decoupled:
-                                old, corr, ref = (
-                                    mb.cache["old_logp"],
-                                    corrections[id(mb)],
-                                    mb.cache.get("ref_logp"),
-                                )
-                            else:
-                                old, corr = cur.detach(), self._correction(cur.detach(), mb)
-                                ref = self._ref_logprobs(mb, routes) if self.ref_model is not None else None
-                                gather_old(mb, old, ent, corr, ref)
-                            terms = policy_terms(
-                                cur,
-                                old,
-                                mb.rollout_logp,
-                                mb.advantages,
-                                self.clip_low,
-                                self.clip_high,
-                                correction=corr,
-                                ref_logp=ref,
-                                kl_coef=self.kl_coef,
-                                entropy=ent,
-                                entropy_coef=self.entropy_coef,
-                            )
-                            w = torch.tensor([weights[i] for i in mb.index], device=self.device)
-                            kept = torch.where(
-                                terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss)
-                            )
-                            loss = (kept * w.unsqueeze(-1)).sum()
-                            loss.backward()  # inside the replay context: recomputation replays routes
-                        loss_total += float(loss.detach())
-                        update_sight.add(stats, mb)
-                        if not decoupled:
-                            first_sight.add(stats, mb)
-                        k = terms.keep
-                        upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
-                        upd["clipped"].append(terms.clipped[k].float())
-                        upd["ratio"].append(terms.ratio[k])
+                        loss_total += self._update_micro(mb, weights, st, last=j == len(micros) - 1)
                     grad_norm, ok = self._clip_and_step(policy=True)
                     grad_norms.append(grad_norm)
                     n_ok += int(ok)
-            metrics["train/loss"] = loss_total / n_updates
-            metrics["train/grad_norm"] = grad_norms[0]
-            metrics["train/grad_norm_max"] = max(grad_norms)
-            metrics["train/skipped"] = 0.0 if n_ok else 1.0
-            metrics["train/nonfinite_grad"] = float(n_updates - n_ok)
+            metrics = {
+                "train/loss": loss_total / n_updates,
+                "train/grad_norm": grad_norms[0],
+                "train/grad_norm_max": max(grad_norms),
+                "train/skipped": 0.0 if n_ok else 1.0,
+                "train/nonfinite_grad": float(n_updates - n_ok),
+                "train/updates": float(n_ok),
+            }
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            metrics.update({"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0})
+            metrics["train/updates"] = 0.0
+        metrics.update(self._step_metrics(sequences, st, n_loss))
+        return metrics
 
-        cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in {**g, **upd}.items()}
-        metrics.update(mismatch_metrics(cat["old"], cat["roll"], cat["w"]))
+    def _old_pass_metrics(self, mb: Micro, st: _Step) -> None:
+        stats = ReplayStats()
+        self._old_pass(mb, stats)
+        st.first_sight.add(stats, mb)
+        corr = st.corrections[id(mb)] = self._correction(mb.cache["old_logp"], mb)
+        st.gather_old(mb, mb.cache["old_logp"], mb.cache["entropy"], corr, mb.cache.get("ref_logp"))
+
+    def _weights(
+        self, seqs: list[TrainingSequence], plan: list[list[Micro]], st: _Step | None
+    ) -> list[float]:
+        """Per-sequence loss weights per mini-batch; from the kept (not rejected) tokens when known."""
+        weights = [0.0] * len(seqs)
+        for micros in plan:
+            idx = [i for mb in micros for i in mb.index]
+            counts = None
+            if st is not None:
+                kept = {
+                    i: int(st.corrections[id(mb)].keep[r].sum())
+                    for mb in micros
+                    for r, i in enumerate(mb.index)
+                }
+                counts = [kept[i] for i in idx]
+            for i, w in zip(idx, self._sequence_weights([seqs[i] for i in idx], counts)):
+                weights[i] = w
+        return weights
+
+    def _update_micro(self, mb: Micro, weights: list[float], st: _Step, last: bool) -> float:
+        """Forward with grad over one micro-batch, backward, gather metrics; returns its loss."""
+        routes = self._forward_routes(mb, st.decoupled)
+        stats = ReplayStats()
+        with dist.no_sync_if_sharded(self.model, last), self._routing(self.model, routes, None, stats):
+            cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
+            if st.decoupled:
+                old, corr, ref = mb.cache["old_logp"], st.corrections[id(mb)], mb.cache.get("ref_logp")
+            else:
+                old, corr = cur.detach(), self._correction(cur.detach(), mb)
+                ref = self._ref_logprobs(mb, routes) if self.ref_model is not None else None
+                st.gather_old(mb, old, ent, corr, ref)
+            terms = policy_terms(
+                cur,
+                old,
+                mb.rollout_logp,
+                mb.advantages,
+                self.clip_low,
+                self.clip_high,
+                correction=corr,
+                ref_logp=ref,
+                kl_coef=self.kl_coef,
+                entropy=ent,
+                entropy_coef=self.entropy_coef,
+            )
+            w = torch.tensor([weights[i] for i in mb.index], device=self.device)
+            kept = torch.where(terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss))
+            loss = (kept * w.unsqueeze(-1)).sum()
+            loss.backward()  # inside the replay context: recomputation replays the same routes
+        st.update_sight.add(stats, mb)
+        if not st.decoupled:
+            st.first_sight.add(stats, mb)
+        k = terms.keep
+        st.upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
+        st.upd["clipped"].append(terms.clipped[k].float())
+        st.upd["ratio"].append(terms.ratio[k])
+        return float(loss.detach())
+
+    def _step_metrics(self, sequences: list[TrainingSequence], st: _Step, n_loss: int) -> dict[str, float]:
+        cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in {**st.old, **st.upd}.items()}
+        metrics = mismatch_metrics(cat["old"], cat["roll"], cat["w"])
         total_tokens = sum(len(s.token_ids) for s in sequences)
         metrics.update(
             {
@@ -377,7 +370,6 @@ class Trainer:
                 "train/masked_frac": 1.0 - n_loss / total_tokens if total_tokens else 0.0,
                 "train/sequences": float(len(sequences)),
                 "train/rollouts": float(len({s.rollout_id for s in sequences})),
-                "train/updates": float(0 if skip else n_ok),
                 "train/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "train/step": float(self.step),
             }
@@ -386,9 +378,9 @@ class Trainer:
             metrics["train/kl_ref"] = mean(cat["kl_ref"])
         if self.routing_replay != "off":
             # Differences: the first forward that replayed (sampler vs trainer under R3; for R2, the
-            # updated trainer vs its own old routes). Replayed fraction: tokens forced in updates.
-            diff = first_sight if first_sight.replayed else update_sight
-            metrics["train/routing_replayed_frac"] = update_sight.replayed_tokens_frac()
+            # updated trainer vs its own old routes). Replayed fraction: tokens forced in the updates.
+            diff = st.first_sight if st.first_sight.replayed else st.update_sight
+            metrics["train/routing_replayed_frac"] = st.update_sight.replayed_tokens_frac()
             metrics["train/routing_diff_frac"] = diff.differing / diff.replayed if diff.replayed else 0.0
             metrics["train/routing_token_diff_frac"] = (
                 diff.tokens_differing / diff.tokens if diff.tokens else 0.0
@@ -477,6 +469,31 @@ class Trainer:
         random.setstate(state["python_rng"])
         if "numpy_rng" in state:
             _set_numpy_rng_state(state["numpy_rng"])
+
+
+class _Step:
+    """What one train_step gathers: IS corrections per micro-batch, metric tensors, route stats."""
+
+    def __init__(self, decoupled: bool) -> None:
+        self.decoupled = decoupled
+        self.corrections: dict[int, ISCorrection] = {}
+        self.old: dict[str, list[Tensor]] = {
+            k: [] for k in ("old", "roll", "ent", "w", "trunc", "kept", "kl_ref")
+        }
+        self.upd: dict[str, list[Tensor]] = {k: [] for k in ("ppo_kl", "clipped", "ratio")}
+        self.first_sight, self.update_sight = _RouteAcc(), _RouteAcc()
+
+    def gather_old(self, mb: Micro, old: Tensor, ent: Tensor, corr: ISCorrection, ref: Tensor | None) -> None:
+        """Before-update quantities on loss tokens (mismatch metrics, IS weights on kept tokens)."""
+        m, g = mb.mask, self.old
+        g["old"].append(old.detach()[m])
+        g["roll"].append(mb.rollout_logp[m])
+        g["ent"].append(ent.detach()[m])
+        g["w"].append(corr.weight[corr.keep])
+        g["trunc"].append(corr.truncated[corr.keep].float())
+        g["kept"].append(corr.keep[m].float())
+        if ref is not None:
+            g["kl_ref"].append(k3(old.detach(), ref)[corr.keep])
 
 
 class _RouteAcc:
