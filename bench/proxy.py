@@ -331,6 +331,7 @@ def main() -> None:
         return
 
     load_tokenizer(a.cache)  # build once before the servers start
+    load_start = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="legorl-bench-proxy-"))
     ports = {"engine": free_port(), "legorl": free_port(), "litellm": free_port()}
     me = [sys.executable, str(Path(__file__).resolve()), "--cache", str(a.cache)]
@@ -412,7 +413,8 @@ def main() -> None:
     if a.write:
         from importlib.metadata import version
 
-        machine = f"{platform.machine()}, {os.cpu_count()} cores (shared with other work while measured)"
+        machine = (f"{platform.machine()}, {os.cpu_count()} cores, shared with other work while measured "
+                   f"(load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end)")
         write_section(
             "## Proxy\n\n"
             f"`bench/proxy.py`: {a.calls} sequential calls per path ({a.turns}-turn sessions, each call extending "

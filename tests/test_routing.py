@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -131,11 +133,13 @@ def test_kv_cache_decode_recording_matches_full_forward_routes() -> None:
     model = tiny_moe()
     ids = _ids(1, 7)
     with torch.no_grad(), record_routing(model) as rec:
+        # transformers 5.x renamed past_key_values -> cache (the old name warns)
+        kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         out = model(input_ids=ids[:, :4], use_cache=True)
-        cache = out.past_key_values
+        cache = getattr(out, kw)
         for t in range(4, 7):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=ids[:, t : t + 1], use_cache=True, **{kw: cache})
+            cache = getattr(out, kw)
     incremental = rec.pop()
     assert incremental.shape == (1, 7, LAYERS, TOP_K)
     with torch.no_grad(), record_routing(model) as rec:

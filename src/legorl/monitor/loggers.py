@@ -85,7 +85,10 @@ class WandbLogger:
         self.run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # waits until the service has written the offline run file
 
 
 class MlflowLogger:
