@@ -22,14 +22,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_standalone_proxy_records_any_harness(tmp_path, cache_dir):
+def test_standalone_proxy_records_any_harness(tmp_path, tokenizer):
     script = tmp_path / "replies.json"
     script.write_text(json.dumps([render_tool_call_text("bash", {"command": "ls"}), "done"]))
     port = _free_port()
     run_dir = tmp_path / "run"
+    tokenizer.save_pretrained(tmp_path / "tok")  # the scripted engine only needs a tokenizer dir
     legorl = str(Path(sys.executable).with_name("legorl"))
     proc = subprocess.Popen([legorl, "proxy", "--engine", "scripted", "--script", str(script), "--port", str(port),
-                             "--run-dir", str(run_dir), "--cache-dir", str(cache_dir)],
+                             "--run-dir", str(run_dir), "--model", str(tmp_path / "tok")],
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120

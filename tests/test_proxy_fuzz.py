@@ -53,7 +53,7 @@ def _parsers(tokenizer):
     return [OpenAIChat(tokenizer), OpenAIResponses(tokenizer), AnthropicMessages(tokenizer)]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODY, beta=st.booleans())
 def test_parsers_never_crash(tokenizer, body, beta):
     for fmt in _parsers(tokenizer):
@@ -104,7 +104,7 @@ def live_proxy(tokenizer):
     thread.join(10)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/chat/completions", "/responses", "/messages"]), body=BODY)
 def test_live_proxy_answers_fuzz_with_4xx_or_200_and_keeps_serving(live_proxy, path, body):
     with httpx.Client(timeout=30) as http:

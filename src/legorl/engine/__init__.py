@@ -2,23 +2,23 @@
 
 LocalEngine (embedded, fast path + prefix reuse), VLLMEngine / SGLangEngine (remote servers),
 ScriptedEngine (replays texts). docs/engines.md describes them; `legorl serve` is engine/server.py.
+
+Names load lazily: `legorl.engine.cli` (and so the `legorl` command) must not pay for a torch import.
 """
 
-from legorl.engine.base import ContextOverflowError, Engine, EngineError
-from legorl.engine.local import LocalEngine
-from legorl.engine.remote import SGLangEngine, VLLMEngine
-from legorl.engine.sampling import sample_token, sampling_logprobs, token_logprobs
-from legorl.engine.scripted import ScriptedEngine
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ContextOverflowError",
-    "Engine",
-    "EngineError",
-    "LocalEngine",
-    "SGLangEngine",
-    "ScriptedEngine",
-    "VLLMEngine",
-    "sample_token",
-    "sampling_logprobs",
-    "token_logprobs",
-]
+_WHERE = {
+    "ContextOverflowError": "base", "Engine": "base", "EngineError": "base",
+    "LocalEngine": "local", "SGLangEngine": "remote", "VLLMEngine": "remote", "ScriptedEngine": "scripted",
+    "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'legorl.engine' has no attribute {name!r}")
+    return getattr(import_module(f"legorl.engine.{_WHERE[name]}"), name)
