@@ -146,3 +146,24 @@ def test_entropy_bonus() -> None:
 def test_unknown_is_mode() -> None:
     with pytest.raises(ValueError, match="unknown IS mode"):
         is_correction(torch.zeros(1, 1), torch.zeros(1, 1), mode="ppo")
+
+
+def test_mismatch_metrics_hand_computed() -> None:
+    from legorl.train.metrics import effective_sample_size, mismatch_metrics
+
+    trainer = torch.tensor([L(0.5), L(0.25), L(0.1)])
+    sampler = torch.tensor([L(0.25), L(0.25), L(0.2)])  # dlogp = ln 2, 0, -ln 2
+    m = mismatch_metrics(trainer, sampler, torch.tensor([1.0, 2.0]))
+    assert m["train/mismatch_abs_dlogp_mean"] == pytest.approx(2 * L(2) / 3)
+    assert m["train/mismatch_abs_dlogp_max"] == pytest.approx(L(2))
+    # k3 = exp(r) - 1 - r: (1 - ln 2) + 0 + (0.5 - 1 + ln 2), mean over 3 tokens
+    assert m["train/mismatch_k3_kl"] == pytest.approx((1 - L(2) + 0.5 - 1 + L(2)) / 3)
+    # Pearson of p: (0.5, 0.25, 0.1) vs (0.25, 0.25, 0.2)
+    a, b = torch.tensor([0.5, 0.25, 0.1]), torch.tensor([0.25, 0.25, 0.2])
+    da, db = a - a.mean(), b - b.mean()
+    assert m["train/logprob_pearson"] == pytest.approx(float((da * db).sum() / (da.norm() * db.norm())))
+    # ESS (sum w)^2 / (n sum w^2) = 9 / (2 * 5)
+    assert m["train/is_ess"] == pytest.approx(0.9) and m["train/is_weight_mean"] == pytest.approx(1.5)
+    assert effective_sample_size(torch.ones(7)) == pytest.approx(1.0)
+    empty = mismatch_metrics(torch.zeros(0), torch.zeros(0), torch.zeros(0))
+    assert empty["train/logprob_pearson"] == 1.0 and empty["train/is_ess"] == 1.0

@@ -70,10 +70,10 @@ class SandboxConfig(_Section):
 
 
 class HarnessConfig(_Section):
-    name: Literal["mini-swe-agent"] = "mini-swe-agent"
-    step_limit: int = Field(6, gt=0)
+    name: Literal["mini-swe-agent", "claude-code", "codex"] = "mini-swe-agent"
+    step_limit: int = Field(6, gt=0)  # mini-swe-agent: model calls; claude-code: --max-turns
     system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
-    instance_template: str | None = None
+    instance_template: str | None = None  # must mention {{task}} (mini-swe-agent) / {task} (CLIs)
     max_consecutive_format_errors: int = Field(2, ge=0)
     workers: int = Field(1, gt=0)  # long-lived harness worker processes
 

@@ -25,6 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from legorl.config import Config
 from legorl.engine import LocalEngine, ScriptedEngine, SGLangEngine, VLLMEngine
+from legorl.harness.base import Harness
+from legorl.harness.claude_code import ClaudeCodeHarness
+from legorl.harness.codex import CodexHarness
 from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
@@ -55,6 +58,18 @@ def model_spec(cfg: Config) -> ModelSpec:
     return ModelSpec(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
                      max_position_embeddings=m.max_position_embeddings, seed=m.seed, vocab_size=m.vocab_size)
+
+
+def make_harness(cfg: Config, log_dir: Path) -> Harness:
+    """The configured harness: mini-swe-agent (Python API in a worker), or a CLI run inside the sandbox."""
+    h = cfg.harness
+    if h.name == "claude-code":
+        kw = {"instance_template": h.instance_template} if h.instance_template else {}
+        return ClaudeCodeHarness(max_turns=h.step_limit, timeout=cfg.rollout.agent_timeout, **kw)
+    if h.name == "codex":
+        kw = {"instance_template": h.instance_template} if h.instance_template else {}
+        return CodexHarness(timeout=cfg.rollout.agent_timeout, **kw)
+    return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)
 
 
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
@@ -123,8 +138,7 @@ class Driver:
         if m.dashboard:
             url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
             console.print(f"dashboard: [bold]{url}[/]")
-        self.harness = MiniSweAgentHarness(cfg.harness, command_timeout=cfg.sandbox.command_timeout,
-                                           log_dir=self.run_dir / "logs")
+        self.harness = make_harness(cfg, self.run_dir / "logs")
         await self.harness.start()
         if self.resume:
             await self._restore()

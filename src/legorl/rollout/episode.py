@@ -114,7 +114,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             session = ctx.proxy.open_session(rid)
             run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
                              api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
-                             model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket))
+                             model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket),
+                             relay_base=f"http://127.0.0.1:{sandbox.relay_port}/s/{session.token}")
             if "sandbox_killed" in plan:
                 killer = asyncio.create_task(kill_later(sandbox, random.Random(rid)))
             try:

@@ -43,11 +43,11 @@ from legorl.records import TrainingSequence
 from legorl.train import distributed as dist
 from legorl.train.batching import Micro, collate, micro_batches, mini_batches
 from legorl.train.logprobs import sequence_logprobs
-from legorl.train.losses import AGGREGATIONS, IS_MODES, ISCorrection, is_correction, k3, policy_terms
+from legorl.train.losses import IS_MODES, ISCorrection, is_correction, k3, policy_terms, sequence_weights
 from legorl.train.metrics import mean, mismatch_metrics
 from legorl.train.schedule import LRSchedule
 
-LOSS_AGGS = (*AGGREGATIONS, "rollout-mean")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "rollout-mean")
 ROUTING_REPLAY = ("off", "R2", "R3")
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"
@@ -144,8 +144,6 @@ class Trainer:
 
     def _sequence_weights(self, seqs: list[TrainingSequence], counts: list[int] | None = None) -> list[float]:
         """Per-sequence token weight so that sum(weight * kept token loss) is the (mini-)batch loss."""
-        from legorl.train.losses import sequence_weights
-
         if counts is None:
             counts = [sum(s.loss_mask[1:]) for s in seqs]
         return sequence_weights(counts, [s.rollout_id for s in seqs], self._agg)
