@@ -128,7 +128,7 @@ class Driver:
                                pad_id=self.tokenizer.pad_token_id or 0)
         s = cfg.sampling
         self.proxy = Proxy(self.engine, self.tokenizer, model_name=cfg.proxy.served_model_name,
-                           sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens),
+                           sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k),
                            on_call=self.store.add_call)
         await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
         m = cfg.monitor

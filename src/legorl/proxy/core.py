@@ -32,6 +32,7 @@ class SamplingOverride:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 256
+    top_k: int = 0
 
 
 @dataclass
@@ -75,8 +76,10 @@ class CallCore:
     def sampling_params(self, req: ChatRequest) -> SamplingParams:
         cap = self.sampling.max_tokens
         max_tokens = min(req.max_tokens, cap) if req.max_tokens and req.max_tokens > 0 else cap
+        # The harness's seed is recorded with its request but not used: a fixed seed would make
+        # every sample of a GRPO group identical.
         return SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                              max_tokens=max_tokens, stop=list(req.stop), seed=req.seed)
+                              top_k=self.sampling.top_k, max_tokens=max_tokens, stop=list(req.stop))
 
     async def complete(self, session: Session, req: ChatRequest, tool_id_prefix: str = "call_") -> Completion:
         t_start = time.time()
