@@ -67,6 +67,10 @@ class SandboxConfig(_Section):
     kind: Literal["bwrap"] = "bwrap"
     command_timeout: float = Field(20.0, gt=0)
     relay_port: int = Field(18000, gt=0, le=65535)
+    # Resource limits per sandbox (processes, memory_mb, cpu_seconds, file_size_mb, open_files,
+    # workspace_mb, tmp_mb, address_space_mb); unset keys keep legorl's defaults (docs/sandbox.md).
+    limits: dict[str, float | None] = Field(default_factory=dict)
+    uid: int | None = None  # a root driver runs each sandbox as its own unprivileged uid; 0 = stay root
 
 
 class HarnessConfig(_Section):
@@ -79,8 +83,8 @@ class HarnessConfig(_Section):
 
 
 class TasksConfig(_Section):
-    source: Literal["builtin", "jsonl"] = "builtin"
-    path: str | None = None  # JSONL file when source == jsonl
+    source: Literal["builtin", "jsonl", "harbor"] = "builtin"
+    path: str | None = None  # a SWE-bench-style JSONL file, or a Harbor / terminal-bench task directory
     families: list[str] | None = None  # built-in families; None = all
     n_train: int = Field(16, gt=0)
     n_heldout: int = Field(8, ge=0)

@@ -42,8 +42,10 @@ from legorl.rollout.faults import enabled as faults_enabled
 from legorl.rollout.outcomes import resolve_policies
 from legorl.rollout.scheduler import GroupRunner
 from legorl.sandbox import reap_orphans
+from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
-from legorl.tasks import Task, builtin_splits, load_jsonl
+from legorl.tasks import Task, builtin_splits
+from legorl.tasks.loaders import load_tasks as load_task_spec
 from legorl.tasks.teacher import teacher_script
 from legorl.train.advantages import group_advantages
 from legorl.train.sequences import build_sequences, merge_stats
@@ -75,10 +77,10 @@ def make_harness(cfg: Config, log_dir: Path) -> Harness:
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     """(train, heldout) tasks from the configured source."""
     t = cfg.tasks
-    if t.source == "jsonl":
+    if t.source in ("jsonl", "harbor"):
         if not t.path:
-            raise ValueError("tasks.source is jsonl but tasks.path is not set")
-        tasks = load_jsonl(t.path)
+            raise ValueError(f"tasks.source is {t.source} but tasks.path is not set")
+        tasks = load_task_spec(t.path)
         train = [x for x in tasks if x.split != "heldout"]
         return train, [x for x in tasks if x.split == "heldout"]
     return builtin_splits(t.n_train, t.n_heldout, t.seed)
@@ -149,7 +151,8 @@ class Driver:
         self.ctx = EpisodeContext(proxy=self.proxy, harness=self.harness, store=self.store, run_dir=self.run_dir,
                                   label=self.label, agent_timeout=cfg.rollout.agent_timeout,
                                   grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide,
-                                  policies=resolve_policies(cfg.rollout.policies), faults=cfg.faults)
+                                  policies=resolve_policies(cfg.rollout.policies), faults=cfg.faults,
+                                  limits=SandboxLimits.from_dict(cfg.sandbox.limits), sandbox_uid=cfg.sandbox.uid)
         self.runner = GroupRunner(self.ctx, concurrency=cfg.rollout.concurrency,
                                   max_retries=cfg.rollout.max_retries, backoff=cfg.rollout.retry_backoff)
         return self

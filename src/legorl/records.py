@@ -95,6 +95,8 @@ class GraderReport:
     tests: dict[str, str] = field(default_factory=dict)  # test id -> passed|failed|error|skipped|missing
     applied_paths: list[str] = field(default_factory=list)
     dropped_paths: list[str] = field(default_factory=list)
+    applied_diff: str = ""  # the parts of the agent's diff that were applied
+    dropped_diff: str = ""  # the parts the path policy dropped (tests, test infrastructure)
     collected: int = 0
     exit_code: int | None = None
     log_tail: str = ""

@@ -20,7 +20,7 @@ from legorl.sandbox.client import SandboxClient
 
 class SandboxEnvironmentConfig(LocalEnvironmentConfig):
     control_socket: str
-    cwd: str = "/workspace"
+    cwd: str = ""  # empty: the sandbox's workspace (the task's workdir)
 
 
 class SandboxEnvironment(LocalEnvironment):
@@ -32,7 +32,7 @@ class SandboxEnvironment(LocalEnvironment):
         command = action.get("command", "")
         limit = timeout or self.config.timeout
         try:
-            r = self.client.exec(command, timeout=limit, cwd=cwd or self.config.cwd, env=self.config.env or None)
+            r = self.client.exec(command, timeout=limit, cwd=cwd or self.config.cwd or None, env=self.config.env or None)
         except Exception as e:  # the sandbox is gone (killed, deadline): report it like mini does
             output = {"output": "", "returncode": -1,
                       "exception_info": f"An error occurred while executing the command: {e}",

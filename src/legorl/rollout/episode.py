@@ -25,6 +25,7 @@ from legorl.records import GraderReport, Outcome, Rollout
 from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
 from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
 from legorl.sandbox import BwrapSandbox
+from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
 from legorl.tasks import Task, prepare_repo
 
@@ -48,6 +49,8 @@ class EpisodeContext:
     script_for: Callable[[Task], list[str]] | None = None
     policies: dict[Outcome, Policy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    limits: SandboxLimits | None = None  # None: the sandbox's defaults
+    sandbox_uid: int | None = None
 
 
 def new_rollout_id(step: int, task_id: str, sample: int) -> str:
@@ -104,7 +107,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
             sandbox = await BwrapSandbox.create(
                 workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
-                proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths)
+                proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths, limits=ctx.limits,
+                inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid)
         except Exception as e:
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0

@@ -217,6 +217,10 @@ def relay(fd: int, proxy_path: str) -> None:
     import socket
 
     client = socket.socket(fileno=fd)
+    try:  # small request/response frames: without this each answer can wait ~40 ms (Nagle)
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         upstream.connect(proxy_path)
