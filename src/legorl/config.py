@@ -139,6 +139,20 @@ class TrainerConfig(_Section):
     advantage: Literal["grpo", "rloo", "drgrpo"] = "grpo"
     normalize_std: bool = False
     micro_batch_tokens: int = Field(4096, gt=0)
+    ppo_epochs: int = Field(1, gt=0)  # updates per batch; >1 keeps rollout/old/current policies apart
+    mini_batches: int = Field(1, gt=0)
+    is_mode: Literal["tis", "mis", "seq-tis", "seq-mis", "none"] = "tis"
+    token_mask: tuple[float, float] | None = None  # reject tokens whose IS weight leaves [lo, hi]
+    seq_mask: tuple[float, float] | None = None  # geometric sequence masking, e.g. [0.99, 1.01]
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial weights
+    entropy_coef: float = Field(0.0, ge=0.0)
+    routing_replay: Literal["off", "R2", "R3"] = "off"  # MoE: replay routed experts (docs/training.md)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    autocast: Literal["bf16"] | None = None
+    gradient_checkpointing: bool = False
 
 
 class SFTConfig(_Section):

@@ -124,10 +124,16 @@ class Driver:
         if faults_enabled(cfg.faults):
             self.engine = FaultyEngine(self.engine, cfg.faults)
         t = cfg.trainer
-        self.trainer = Trainer(policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                               temperature=cfg.sampling.temperature or 1.0, clip_low=t.clip_low,
-                               clip_high=t.clip_high, tis_cap=t.tis_cap, micro_batch_tokens=t.micro_batch_tokens,
-                               pad_id=self.tokenizer.pad_token_id or 0)
+        t, s = cfg.trainer, cfg.sampling
+        self.trainer = Trainer(
+            policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+            temperature=s.temperature or 1.0, top_p=s.top_p, top_k=s.top_k, clip_low=t.clip_low,
+            clip_high=t.clip_high, tis_cap=t.tis_cap, micro_batch_tokens=t.micro_batch_tokens,
+            pad_id=self.tokenizer.pad_token_id or 0, loss_agg=t.loss_agg, ppo_epochs=t.ppo_epochs,
+            mini_batches=t.mini_batches, is_mode=t.is_mode, token_mask=t.token_mask, seq_mask=t.seq_mask,
+            kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, routing_replay=t.routing_replay,
+            lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
+            min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing)
         s = cfg.sampling
         self.proxy = Proxy(self.engine, self.tokenizer, model_name=cfg.proxy.served_model_name,
                            sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k),
