@@ -69,8 +69,7 @@ async def _run_harness(ctx: EpisodeContext, run: HarnessRun, plan: FaultPlan) ->
 
 async def _diff(sandbox: BwrapSandbox, plan: FaultPlan) -> str:
     if "disk_full" in plan:
-        # Fill the sandbox's private /tmp (a tmpfs: it cannot touch the host disk) until writes fail.
-        await sandbox.exec("head -c 64M /dev/zero > /tmp/fill; df /tmp", timeout=30)
+        # Simulated at the sandbox boundary: the workspace cannot be read back, as when its disk is full.
         raise InjectedFault("injected fault: no space left on device inside the sandbox")
     return await workspace_diff(sandbox)
 
