@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from legorl.monitor.config import MonitorConfig
 
@@ -71,6 +71,14 @@ class SandboxConfig(_Section):
     # workspace_mb, tmp_mb, address_space_mb); unset keys keep legorl's defaults (docs/sandbox.md).
     limits: dict[str, float | None] = Field(default_factory=dict)
     uid: int | None = None  # a root driver runs each sandbox as its own unprivileged uid; 0 = stay root
+
+    @field_validator("limits")
+    @classmethod
+    def _known_limits(cls, v: dict[str, float | None]) -> dict[str, float | None]:
+        from legorl.sandbox.limits import SandboxLimits
+
+        SandboxLimits.from_dict(v)  # unknown names and non-positive values fail here, with the key
+        return v
 
 
 class HarnessConfig(_Section):

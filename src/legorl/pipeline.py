@@ -123,7 +123,6 @@ class Driver:
         self.engine = await self._make_engine()
         if faults_enabled(cfg.faults):
             self.engine = FaultyEngine(self.engine, cfg.faults)
-        t = cfg.trainer
         t, s = cfg.trainer, cfg.sampling
         self.trainer = Trainer(
             policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
@@ -134,7 +133,6 @@ class Driver:
             kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, routing_replay=t.routing_replay,
             lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
             min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing)
-        s = cfg.sampling
         self.proxy = Proxy(self.engine, self.tokenizer, model_name=cfg.proxy.served_model_name,
                            sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k),
                            on_call=self.store.add_call)
