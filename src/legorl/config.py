@@ -167,6 +167,11 @@ class SFTConfig(_Section):
     """Warm start on teacher demonstrations captured through the real harness."""
 
     enabled: bool = False
+    # scripted: plays each task's gold fix; upstream: any OpenAI-compatible chat endpoint (a strong
+    # hosted model), its key in LEGORL_UPSTREAM_API_KEY. Both drive the real harness through the proxy.
+    teacher: Literal["scripted", "upstream"] = "scripted"
+    teacher_url: str | None = None  # upstream: base URL, e.g. https://host/v1
+    teacher_model: str | None = None  # upstream: the model name the endpoint serves
     demos: int = Field(32, ge=0)  # teacher episodes (train-split tasks, cycled)
     epochs: int = Field(2, ge=0)
     lr: float = Field(1e-3, ge=0.0)

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from legorl.config import Config
-from legorl.engine import LocalEngine, ScriptedEngine, SGLangEngine, VLLMEngine
+from legorl.engine import LocalEngine, ScriptedEngine, SGLangEngine, UpstreamEngine, VLLMEngine
 from legorl.harness.base import Harness
 from legorl.harness.claude_code import ClaudeCodeHarness
 from legorl.harness.codex import CodexHarness
@@ -310,14 +310,22 @@ class Driver:
 
     # ---- teacher demonstrations and SFT ----------------------------------------------------------
     async def collect_demos(self, n: int) -> list[Rollout]:
-        """Run the real harness with the scripted teacher playing each task's gold fix."""
+        """Run the real harness with a teacher: the gold fix played by the scripted engine, or an upstream model."""
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
-        policy_engine, self.proxy.engine = self.proxy.engine, ScriptedEngine(self.tokenizer)
-        self.ctx.script_for = teacher_script
+        c = self.cfg.sft
+        if c.teacher == "upstream":
+            if not (c.teacher_url and c.teacher_model):
+                raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
+            teacher = UpstreamEngine(c.teacher_url, c.teacher_model, self.tokenizer)
+        else:
+            teacher = ScriptedEngine(self.tokenizer)
+            self.ctx.script_for = teacher_script
+        policy_engine, self.proxy.engine = self.proxy.engine, teacher
         try:
             demos = await self.rollouts(tasks, step=-1, samples=1, split="demo")
         finally:
             self.proxy.engine, self.ctx.script_for = policy_engine, None
+            await teacher.close()
         return demos
 
     async def sft(self, demos: list[Rollout]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from typing import Any
 _WHERE = {
     "ContextOverflowError": "base", "Engine": "base", "EngineError": "base",
     "LocalEngine": "local", "SGLangEngine": "remote", "VLLMEngine": "remote", "ScriptedEngine": "scripted",
+    "UpstreamEngine": "upstream",
     "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",
 }
 

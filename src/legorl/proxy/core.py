@@ -87,13 +87,14 @@ class CallCore:
         bridged = self.bridge.build(req.messages, req.tools, session.history, tools_key)
         params = self.sampling_params(req)
         engine = self.engine
+
+        def one() -> Any:
+            if getattr(engine, "takes_messages", False):  # a hosted teacher: it takes the conversation
+                return engine.generate_chat(req.messages, req.tools, params, rollout_id=session.rollout_id)
+            return engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)
+
         try:
-            if req.n == 1:
-                results = [await engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)]
-            else:
-                results = list(await asyncio.gather(*(
-                    engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)
-                    for _ in range(req.n))))
+            results = list(await asyncio.gather(*(one() for _ in range(req.n))))
             for r in results:
                 _check_result(r)
         except ContextOverflowError as e:

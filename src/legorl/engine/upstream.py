@@ -1,0 +1,82 @@
+"""`engine: upstream`: any OpenAI-compatible chat endpoint as a teacher, for data collection.
+
+The proxy hands this engine the conversation (not token ids: a hosted model takes messages).
+Its answer is written in the policy's own assistant format (content, then one `<tool_call>`
+block per call, exactly as the chat template renders them) and tokenized with the policy's
+tokenizer. The tokens were not sampled from the policy, so the result is marked
+`sampled_from_policy=False`: usable for SFT, never for policy gradient (logprobs are 0.0).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from legorl.engine.base import EngineError
+from legorl.models.tokenizer import IM_END, render_tool_call_text
+from legorl.records import GenerationResult, SamplingParams
+
+
+def assistant_text(content: str | None, tool_calls: list[dict[str, Any]]) -> str:
+    """The assistant turn as the built-in chat template renders it (without the end-of-turn token)."""
+    blocks = [render_tool_call_text(c["function"]["name"], c["function"].get("arguments") or "{}")
+              for c in tool_calls]
+    text = content or ""
+    for i, block in enumerate(blocks):
+        text += ("\n" if text or i else "") + block
+    return text
+
+
+class UpstreamEngine:
+    takes_messages = True  # the proxy calls generate_chat with the conversation
+
+    def __init__(self, base_url: str, model: str, tokenizer: Any, *, api_key: str | None = None,
+                 timeout_s: float = 600.0, client: httpx.AsyncClient | None = None):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.tok = tokenizer
+        self.im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
+        key = api_key if api_key is not None else os.environ.get("LEGORL_UPSTREAM_API_KEY", "")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.weight_version = 0
+
+    def max_context(self) -> int:
+        return 1 << 20  # the upstream model enforces its own limit
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       rollout_id: str = "") -> GenerationResult:
+        raise EngineError("the upstream engine answers conversations, not token ids: use it behind the proxy")
+
+    async def generate_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
+                                "temperature": params.temperature, "top_p": params.top_p}
+        if tools:
+            body["tools"] = tools
+        try:
+            r = await self.client.post(self.url, json=body, headers=self.headers)
+        except httpx.HTTPError as e:
+            raise EngineError(f"upstream {self.url} unreachable: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise EngineError(f"upstream {self.url} answered {r.status_code}: {r.text[:300]}")
+        try:
+            choice = r.json()["choices"][0]
+            message = choice["message"]
+            text = assistant_text(message.get("content"), message.get("tool_calls") or [])
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise EngineError(f"upstream {self.url} sent a malformed answer: {type(e).__name__}: {e}") from None
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        ids = self.tok.encode(text, add_special_tokens=False) + ([self.im_end] if finish == "stop" else [])
+        if not ids:
+            raise EngineError(f"upstream {self.url} sent an empty answer")
+        return GenerationResult(completion_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish,
+                                weight_version=self.weight_version, sampled_from_policy=False)
+
+    async def update_weights(self, state_dict: dict[str, Any]) -> int:
+        return self.weight_version  # a teacher's weights are not ours to change
+
+    async def close(self) -> None:
+        await self.client.aclose()
