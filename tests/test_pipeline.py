@@ -29,7 +29,7 @@ def toy_run(tmp_path_factory, cache_dir):
 
 
 def test_every_stage_produced_records(toy_run):
-    run_dir, summary = toy_run
+    run_dir, _ = toy_run
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["steps"] == 1 and on_disk["wall_time_s"] > 0
     assert on_disk["sft"]["sft/demos_resolved"] == 2  # the teacher solved both through mini-swe-agent

@@ -403,7 +403,7 @@ class Driver:
             summary["before_rl"] = await self.evaluate(step=-1)
             save()
             console.print(eval_line("before RL", summary["before_rl"]))
-        results = await self.train()
+        await self.train()
         if self.cfg.eval.after_training:
             summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
             console.print(eval_line("after RL", summary["after_rl"]))

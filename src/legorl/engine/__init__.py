@@ -16,7 +16,9 @@ _WHERE = {
     "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [  # noqa: PLE0605 - the lazily loaded names
+    *_WHERE,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -75,8 +75,21 @@ def _serve_one(req: dict[str, Any]) -> None:
                 "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the driver dies, even by SIGKILL: no orphan keeps running episodes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the stdin-EOF exit below still applies
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main() -> None:
-    import minisweagent.agents.default
+    _die_with_parent()
+    import minisweagent.agents.default  # noqa: F401  (pay the import once, before saying ready)
     import minisweagent.models.litellm_model  # noqa: F401
 
     _reply({"op": "ready", "pid": os.getpid()})
