@@ -155,13 +155,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
         rollout.calls = ctx.store.calls_for(rid)
         raise
     finally:
-        if killer is not None:
-            killer.cancel()
-        if session is not None:
-            ctx.proxy.close_session(session.token)
-        if sandbox is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
+        # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.
         if plan.faults:
             rollout.timings["injected_faults"] = float(len(plan.faults))
             rollout.outcome_reason += f" [injected: {', '.join(sorted(plan.faults))}]"
@@ -169,6 +163,13 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
         rollout.weight_version_end = ctx.proxy.engine.weight_version
         rollout.timings["total_s"] = time.time() - t0
         ctx.store.upsert_rollout(rollout)
+        if killer is not None:
+            killer.cancel()
+        if session is not None:
+            ctx.proxy.close_session(session.token)
+        if sandbox is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(sandbox.close())
         if not ctx.keep_workspaces:
             shutil.rmtree(box_dir, ignore_errors=True)
     return rollout
