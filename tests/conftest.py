@@ -29,3 +29,21 @@ def tiny_spec():
     from legorl.models import ModelSpec
 
     return ModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer):
+    """The built-in tokenizer under the short name the engine tests use."""
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module: OpenMP threads spin-wait, and on a shared 2-core box that turns
+    a 0.5 s engine test into 40 s. Modules opt in with `pytestmark = usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,22 +20,11 @@ from legorl.engine import (
     sampling_logprobs,
     token_logprobs,
 )
-from legorl.models import IM_END, ModelSpec, build_model, build_tokenizer, render_tool_call_text
+from legorl.models import IM_END, ModelSpec, build_model, render_tool_call_text
 from legorl.records import GenerationResult, SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # OpenMP threads spin-wait; on a shared 2-core box that turns a 0.5 s test into 40 s.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

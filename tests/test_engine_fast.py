@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,21 +15,11 @@ from legorl.engine import EngineError, LocalEngine, sampling_logprobs, token_log
 from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
 from legorl.engine.sampling import BatchParams, sample_batch
-from legorl.models import ModelSpec, build_model, build_tokenizer
+from legorl.models import ModelSpec, build_model
 from legorl.records import GenerationResult, SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

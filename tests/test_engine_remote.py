@@ -24,24 +24,14 @@ from starlette.routing import Route
 from legorl.engine import ContextOverflowError, EngineError, LocalEngine, token_logprobs
 from legorl.engine.remote import SGLangEngine, VLLMEngine, parse_token_id
 from legorl.engine.server import EngineServer
-from legorl.models import ModelSpec, build_model, build_tokenizer
+from legorl.models import ModelSpec, build_model
 from legorl.records import GenerationResult, SamplingParams
 
 SPEC = ModelSpec(num_layers=1, seed=11, max_position_embeddings=256)
 OTHER = ModelSpec(num_layers=1, seed=12, max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
