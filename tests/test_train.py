@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-import transformers
+from helpers import tiny_qwen3
 
 from legorl.records import LLMCall, Rollout, TrainingSequence
 from legorl.train.advantages import group_advantages
@@ -274,20 +274,7 @@ def test_token_outside_trainer_nucleus_stays_finite() -> None:
 TEMP = 0.7
 
 
-def _tiny_model(seed: int = 0) -> transformers.Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    return transformers.Qwen3ForCausalLM(cfg)
+_tiny_model = tiny_qwen3
 
 
 def _sampled_sequences(model: torch.nn.Module, advantages: list[float]) -> list[TrainingSequence]:
