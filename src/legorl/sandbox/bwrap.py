@@ -81,25 +81,27 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
                 pass
 
 
+# What every sandbox (bwrap or docker) sets, whatever its PATH.
+SANDBOX_ENV = {
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "TMPDIR": "/tmp",
+    # Same pytest as the grader runs (no plugin autoload: also seconds faster per run).
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    # Agents commit; git refuses without an identity (HOME is an empty /tmp).
+    "GIT_AUTHOR_NAME": "agent",
+    "GIT_AUTHOR_EMAIL": "agent@sandbox",
+    "GIT_COMMITTER_NAME": "agent",
+    "GIT_COMMITTER_EMAIL": "agent@sandbox",
+}
+
+
 def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)  # first, so `python` has pytest & co.
-    env = {
-        "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
-        "HOME": "/tmp",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "TMPDIR": "/tmp",
-        # Same pytest as the grader runs (no plugin autoload: also seconds faster per run).
-        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-        # Agents commit; git refuses without an identity (HOME is an empty /tmp).
-        "GIT_AUTHOR_NAME": "agent",
-        "GIT_AUTHOR_EMAIL": "agent@sandbox",
-        "GIT_COMMITTER_NAME": "agent",
-        "GIT_COMMITTER_EMAIL": "agent@sandbox",
-    }
-    env.update(extra or {})
-    return env
+    path = f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+    return {"PATH": path, **SANDBOX_ENV, **(extra or {})}
 
 
 def bwrap_argv(

@@ -22,7 +22,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from legorl.sandbox.bwrap import AGENT_SCRIPT, INSIDE_AGENT, INSIDE_CTL, PROXY_SOCKET_INSIDE, chown_tree
+from legorl.sandbox.bwrap import (
+    AGENT_SCRIPT,
+    INSIDE_AGENT,
+    INSIDE_CTL,
+    PROXY_SOCKET_INSIDE,
+    SANDBOX_ENV,
+    chown_tree,
+)
 from legorl.sandbox.client import SandboxClient, SandboxError
 from legorl.sandbox.control import ControlledSandbox
 from legorl.sandbox.limits import SandboxLimits
@@ -50,13 +57,7 @@ def docker_unavailable(docker: str = "docker") -> str | None:
 
 
 def container_env(label: str, extra: dict[str, str] | None) -> dict[str, str]:
-    env = {
-        "HOME": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp",
-        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "agent@sandbox",
-        "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "agent@sandbox", "LEGORL_SANDBOX": label,
-    }  # fmt: skip
-    env.update(extra or {})
-    return env
+    return {**SANDBOX_ENV, "LEGORL_SANDBOX": label, **(extra or {})}
 
 
 def docker_run_argv(
