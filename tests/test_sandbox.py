@@ -20,6 +20,7 @@ import pytest
 from legorl.sandbox import SandboxError, SandboxLimits
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree, reap_orphans
 from legorl.sandbox.client import SandboxClient
+from legorl.sandbox.rootfs import visible_paths
 from legorl.sandbox.procs import alive
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -77,8 +78,12 @@ def test_visible_root_is_system_dirs_and_runtimes_only(tmp_path: Path) -> None:
         box = await make(tmp_path)
         try:
             r = await box.exec("ls /")
-            assert set(r.output.split()) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root",
-                                             "run", "sbin", "tmp", "usr", "var", "work", "workspace", "home"}
+            # System dirs, the sandbox's own mounts, and the top dir of each runtime (the interpreter, the venv:
+            # /root/.pyenv and /work/main/.venv here, /check/<repo>/.venv on CI) -- and nothing else.
+            runtimes = {Path(p).parts[1] for p in visible_paths()}
+            system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "tmp", "usr", "var",
+                      "workspace"}
+            assert set(r.output.split()) <= system | runtimes, (set(r.output.split()) - system - runtimes, runtimes)
             src = Path(__file__).resolve().parents[1] / "src" / "legorl"
             checks = {
                 "host tmp": f"ls {tmp_path}",  # the host's /tmp (where this test's dirs are)
