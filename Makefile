@@ -35,7 +35,7 @@ setup-test: setup $(VENV)/.setup-test
 
 $(VENV)/.setup-test: pyproject.toml Makefile
 	$(call apt_need,chromium:chromium node:nodejs npm:npm)
-	$(PY) -m pip install -q -e '.[harness,dev]'
+	$(PY) -m pip install -q -e '.[harness,dev,ray]'
 	npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) \
 	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
 	@touch $@

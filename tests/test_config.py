@@ -37,6 +37,18 @@ def test_bad_value_names_key_and_type():
     assert "'rollout.group_size'" in msg and "integer" in msg and "\n" not in msg
 
 
+def test_ray_without_ray_installed_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["ray.address=local"])
+    msg = str(e.value)
+    assert "'ray.address'" in msg and "pip install 'legorl[ray]'" in msg and "\n" not in msg
+    assert load_config(None, []).ray.address is None  # no Ray by default: nothing to install
+
+
 def test_bad_yaml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: [unclosed\n")

@@ -177,6 +177,9 @@ def doctor() -> None:
         rows.append((mod, found, "importable" if found else f"pip install {mod}", True))
     git = shutil.which("git")
     rows.append(("git", git is not None, git or "apt-get install -y git", True))
+    ray = importlib.util.find_spec("ray") is not None
+    rows.append(("ray", ray, "importable (ray.address=...)" if ray else "optional: pip install 'legorl[ray]'",
+                 False))
     t = Table(title="legorl doctor")
     for col in ("check", "status", "detail / fix"):
         t.add_column(col)

@@ -115,6 +115,9 @@ class RolloutConfig(_Section):
     oversample_groups: int = Field(0, ge=0)
     # Groups whose rewards are all equal teach nothing: replace up to this many per step with new tasks.
     zero_variance_refills: int = Field(0, ge=0)
+    # Which train tasks RL samples: all, or those the SFT demonstrations did not cover (the first
+    # sft.demos train tasks), so RL practises on tasks as new to the policy as the held-out ones.
+    task_pool: Literal["all", "undemonstrated"] = "all"
     # What each outcome does: train (use the reward), mask (leave loss and baseline), retry (bounded).
     policies: dict[OutcomeName, Literal["train", "mask", "retry"]] = Field(default_factory=dict)
     max_retries: int = Field(2, ge=0)
@@ -188,6 +191,32 @@ class EvalConfig(_Section):
     split: Literal["heldout", "train"] = "heldout"
 
 
+class RayConfig(_Section):
+    """Scale-out: rollout workers (proxy + sandboxes + harness) as Ray actors; see docs/cluster.md."""
+
+    # None: no Ray, everything in the driver. "local": start a Ray instance on this machine (or use the
+    # one this process already started). "auto", "HOST:PORT", "ray://HOST:10001": join that cluster.
+    address: str | None = None
+    workers: int = Field(2, gt=0)  # rollout worker actors
+    num_cpus: float = Field(1.0, ge=0.0)  # Ray CPUs each worker reserves (placement across nodes)
+    # engine.kind local: where the driver serves its engine to the workers. None: 127.0.0.1 when
+    # address is local, else this node's IP (reachable from the cluster; the port is picked free).
+    engine_host: str | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _ray_installed(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("give local, auto, HOST:PORT or ray://HOST:PORT (or null for no Ray)")
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("ray.address is set but Ray is not installed: pip install 'legorl[ray]'")
+        return v
+
+
 class RunConfig(_Section):
     name: str = "legorl"
     seed: int = 0
@@ -211,6 +240,7 @@ class Config(_Section):
     eval: EvalConfig = EvalConfig()
     faults: FaultsConfig = FaultsConfig()
     monitor: MonitorConfig = MonitorConfig()
+    ray: RayConfig = RayConfig()
 
 
 def _parse_value(text: str) -> Any:

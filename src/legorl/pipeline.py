@@ -3,17 +3,21 @@
 One driver process hosts everything (DESIGN.md, "Process model"): the proxy on
 loopback TCP and a Unix socket, the engine in a worker thread, the harness
 workers, the store writer and the trainer, which runs between rollout phases.
+With `ray.address` set, rollouts run on Ray actors instead (rollout/cluster.py);
+the scheduling, the store, the trainer and the engine stay here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,29 +28,29 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from legorl.config import Config
-from legorl.engine import LocalEngine, ScriptedEngine, SGLangEngine, UpstreamEngine, VLLMEngine
-from legorl.harness.base import Harness
-from legorl.harness.claude_code import ClaudeCodeHarness
-from legorl.harness.codex import CodexHarness
-from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
 from legorl.monitor.loggers import make_loggers
 from legorl.monitor.server import serve_dashboard
-from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import Outcome, Rollout, TrainingSequence
-from legorl.rollout.episode import EpisodeContext
+from legorl.rollout.builders import (
+    hidden_paths,
+    make_context,
+    make_harness,
+    make_proxy,
+    make_remote_engine,
+    make_teacher,
+)
 from legorl.rollout.faults import FaultyEngine
 from legorl.rollout.faults import enabled as faults_enabled
 from legorl.rollout.outcomes import resolve_policies
 from legorl.rollout.scheduler import GroupRunner
 from legorl.sandbox import reap_orphans
-from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits
 from legorl.tasks.loaders import load_tasks as load_task_spec
-from legorl.tasks.teacher import teacher_script
 from legorl.train.advantages import group_advantages
 from legorl.train.sequences import build_sequences, merge_stats
 from legorl.train.trainer import Trainer
@@ -60,18 +64,6 @@ def model_spec(cfg: Config) -> ModelSpec:
     return ModelSpec(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
                      max_position_embeddings=m.max_position_embeddings, seed=m.seed, vocab_size=m.vocab_size)
-
-
-def make_harness(cfg: Config, log_dir: Path) -> Harness:
-    """The configured harness: mini-swe-agent (Python API in a worker), or a CLI run inside the sandbox."""
-    h = cfg.harness
-    if h.name == "claude-code":
-        kw = {"instance_template": h.instance_template} if h.instance_template else {}
-        return ClaudeCodeHarness(max_turns=h.step_limit, timeout=cfg.rollout.agent_timeout, **kw)
-    if h.name == "codex":
-        kw = {"instance_template": h.instance_template} if h.instance_template else {}
-        return CodexHarness(timeout=cfg.rollout.agent_timeout, **kw)
-    return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)
 
 
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
@@ -121,7 +113,8 @@ class Driver:
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
         self.engine = await self._make_engine()
-        if faults_enabled(cfg.faults):
+        ray_mode = cfg.ray.address is not None
+        if faults_enabled(cfg.faults) and not ray_mode:  # with Ray, each worker wraps its own engine client
             self.engine = FaultyEngine(self.engine, cfg.faults)
         t, s = cfg.trainer, cfg.sampling
         self.trainer = Trainer(
@@ -133,10 +126,11 @@ class Driver:
             kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, routing_replay=t.routing_replay,
             lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
             min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing)
-        self.proxy = Proxy(self.engine, self.tokenizer, model_name=cfg.proxy.served_model_name,
-                           sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k),
-                           on_call=self.store.add_call)
-        await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
+        # With Ray, the proxies, harnesses and sandboxes live on the rollout workers (rollout/cluster.py).
+        self.proxy, self.harness, self.ctx, self.cluster = None, None, None, None
+        if not ray_mode:
+            self.proxy = make_proxy(cfg, self.engine, self.tokenizer, on_call=self.store.add_call)
+            await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
         m = cfg.monitor
         self.loggers = make_loggers(m.loggers, self.run_dir, cfg.model_dump())
         self.alarms = AlarmMonitor(m.alarms, self.run_dir)
@@ -144,21 +138,29 @@ class Driver:
         if m.dashboard:
             url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
             console.print(f"dashboard: [bold]{url}[/]")
-        self.harness = make_harness(cfg, self.run_dir / "logs")
-        await self.harness.start()
+        if not ray_mode:
+            self.harness = make_harness(cfg, self.run_dir / "logs")
+            await self.harness.start()
         if self.resume:
             await self._restore()
         self.train_tasks, self.heldout_tasks = load_tasks(cfg)
-        hide = [self.run_dir, self.cache_dir]
-        if cfg.tasks.path:
-            hide.append(Path(cfg.tasks.path).resolve().parent)
-        self.ctx = EpisodeContext(proxy=self.proxy, harness=self.harness, store=self.store, run_dir=self.run_dir,
-                                  label=self.label, agent_timeout=cfg.rollout.agent_timeout,
-                                  grading_timeout=cfg.rollout.grading_timeout, hide_paths=hide,
-                                  policies=resolve_policies(cfg.rollout.policies), faults=cfg.faults,
-                                  limits=SandboxLimits.from_dict(cfg.sandbox.limits), sandbox_uid=cfg.sandbox.uid)
-        self.runner = GroupRunner(self.ctx, concurrency=cfg.rollout.concurrency,
-                                  max_retries=cfg.rollout.max_retries, backoff=cfg.rollout.retry_backoff)
+        hide = hidden_paths(cfg, self.run_dir, self.cache_dir)
+        r = cfg.rollout
+        if ray_mode:
+            from legorl.rollout.cluster import RayCluster
+
+            policies = resolve_policies(r.policies)
+            self.cluster = RayCluster(cfg, run_dir=self.run_dir, label=self.label, hide_paths=hide,
+                                      tokenizer=self.tokenizer, store=self.store, engine=self.engine,
+                                      policies=policies)
+            await self.cluster.start()
+            self.runner = GroupRunner(self.cluster.run_episode, policies, concurrency=r.concurrency,
+                                      max_retries=r.max_retries, backoff=r.retry_backoff)
+        else:
+            self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harness, store=self.store,
+                                    run_dir=self.run_dir, label=self.label, hide_paths=hide)
+            self.runner = GroupRunner.local(self.ctx, concurrency=r.concurrency, max_retries=r.max_retries,
+                                            backoff=r.retry_backoff)
         return self
 
     async def _make_engine(self) -> Any:
@@ -166,11 +168,7 @@ class Driver:
         if e.kind == "scripted":
             return ScriptedEngine(self.tokenizer)
         if e.kind in ("vllm", "sglang"):
-            if not e.urls:
-                raise ValueError(f"engine.kind is {e.kind} but engine.urls is empty: give one URL per server")
-            cls = VLLMEngine if e.kind == "vllm" else SGLangEngine
-            return cls(e.urls, checkpoint_dir=e.checkpoint_dir, base_model_dir=self.cfg.model.path,
-                       vocab_size=len(self.tokenizer))
+            return make_remote_engine(self.cfg, self.tokenizer)
         model, _ = await asyncio.to_thread(load_or_build, self.cfg.model.path, model_spec(self.cfg), self.cache_dir)
         return LocalEngine(model, self.tokenizer, max_batch=e.max_batch, prefix_cache_mb=e.prefix_cache_mb,
                            num_threads=e.torch_threads or None)
@@ -201,9 +199,19 @@ class Driver:
         self.first_step = last + 1
         console.print(f"resuming after step {last}: {changes}")
 
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No call straddles a weight update: new calls wait and in-flight ones drain, in this process's
+        proxy or, with Ray, in every worker's (which then stamp the engine's new version on their calls)."""
+        async with self.cluster.paused() if self.cluster is not None else self.proxy.paused():
+            yield
+
     async def __aexit__(self, *exc: object) -> None:
         self.loggers.close()
-        closers = [self.harness.close, self.proxy.stop, self.engine.close]
+        parts = [self.cluster, self.harness]  # the cluster with Ray, the harness without
+        closers = [p.close for p in parts if p is not None]
+        closers += [self.proxy.stop] if self.proxy is not None else []
+        closers.append(self.engine.close)
         if self.stop_dashboard is not None:
             closers.append(self.stop_dashboard)
         for closer in closers:
@@ -219,8 +227,14 @@ class Driver:
         """The step's task pool: the groups to train on, then over-sampling and refill candidates."""
         r = self.cfg.rollout
         rng = random.Random(self.cfg.run.seed * 100_003 + step)
-        k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(self.train_tasks))
-        return rng.sample(self.train_tasks, k)
+        pool = self.train_tasks
+        if r.task_pool == "undemonstrated" and self.cfg.sft.enabled:
+            pool = self.train_tasks[self.cfg.sft.demos:]  # collect_demos takes the first sft.demos
+            if not pool:
+                raise ValueError(f"rollout.task_pool is undemonstrated but sft.demos ({self.cfg.sft.demos}) covers "
+                                 f"all {len(self.train_tasks)} train tasks: raise tasks.n_train or lower sft.demos")
+        k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(pool))
+        return rng.sample(pool, k)
 
     def _progress(self, label: str, total: int) -> tuple[Progress, Any]:
         progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -283,7 +297,7 @@ class Driver:
         train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
         t_train = time.time() - t1
         t2 = time.time()
-        async with self.proxy.paused():  # no call straddles the update
+        async with self.paused():  # no call straddles the update
             version = await self.engine.update_weights(self.trainer.state_dict_for_engine())
         t_sync = time.time() - t2
         metrics = rollout_metrics(rollouts)
@@ -312,14 +326,10 @@ class Driver:
     async def collect_demos(self, n: int) -> list[Rollout]:
         """Run the real harness with a teacher: the gold fix played by the scripted engine, or an upstream model."""
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
-        c = self.cfg.sft
-        if c.teacher == "upstream":
-            if not (c.teacher_url and c.teacher_model):
-                raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
-            teacher = UpstreamEngine(c.teacher_url, c.teacher_model, self.tokenizer)
-        else:
-            teacher = ScriptedEngine(self.tokenizer)
-            self.ctx.script_for = teacher_script
+        if self.cluster is not None:  # every Ray worker's proxy answers with the teacher meanwhile
+            async with self.cluster.teacher(self.cfg.sft):
+                return await self.rollouts(tasks, step=-1, samples=1, split="demo")
+        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer)
         policy_engine, self.proxy.engine = self.proxy.engine, teacher
         try:
             demos = await self.rollouts(tasks, step=-1, samples=1, split="demo")
@@ -353,7 +363,7 @@ class Driver:
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
         self.trainer.optimizer.state.clear()  # RL starts with fresh Adam moments
-        async with self.proxy.paused():
+        async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
         return {"sft/sequences": float(len(seqs)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
                 "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}

@@ -248,6 +248,15 @@ class Store:
         )
         return [_row_to_call(row) for row in rows]
 
+    def rollout(self, rollout_id: str, with_calls: bool = True) -> Rollout | None:
+        rows = self._query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
+        if not rows:
+            return None
+        r = _row_to_rollout(rows[0])
+        if with_calls:
+            r.calls = self.calls_for(r.id)
+        return r
+
     def rollouts(
         self, step: int | None = None, split: str | None = None, with_calls: bool = False
     ) -> list[Rollout]:

@@ -27,13 +27,16 @@ Logprobs follow ``legorl.engine.sampling`` (the distribution actually sampled fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -120,7 +123,7 @@ class EngineServer:
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.model_path = model_name, model_path
-        self.version_label = str(engine.weight_version)
+        self._label: str | None = None  # a label given with a reload; None: the engine's version number
         self._update_lock = asyncio.Lock()
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -136,6 +139,40 @@ class EngineServer:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST", "GET"]),
         ]
         self.app = Starlette(routes=routes)
+        self._server: Any = None
+        self._serve_task: asyncio.Task | None = None
+
+    @property
+    def version_label(self) -> str:
+        """The served weight version: follows the engine, so in-process updates (a driver serving its
+        embedded engine to Ray workers) keep it right; a reload may set its own label."""
+        return self._label if self._label is not None else str(self.engine.weight_version)
+
+    # ---- serving inside an existing event loop ----
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve from this event loop (the driver, sharing its engine with Ray workers); returns the URL."""
+        # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (see proxy/server.py).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, backlog=2048)
+        self._server = uvicorn.Server(config)
+        # _serve, not serve: the process owns signal handling.
+        self._serve_task = asyncio.create_task(self._server._serve(sockets=[sock]))
+        while not self._server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+            await asyncio.sleep(0.01)
+        return f"http://{host}:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._serve_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._serve_task, timeout=5)
 
     # ---- info ----
 
@@ -319,7 +356,7 @@ class EngineServer:
         async with self._update_lock:
             state = await asyncio.to_thread(load_safetensors_dir, path)
             version = await self.engine.update_weights(state)
-            self.version_label = label if label is not None else str(version)
+            self._label = label
             return version
 
     async def update_from_disk(self, request: Request) -> JSONResponse:

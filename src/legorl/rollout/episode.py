@@ -84,8 +84,9 @@ async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, pla
 
 
 async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: str, sample_index: int,
-                      split: str = "train") -> Rollout:
-    rid = new_rollout_id(step, task.instance_id, sample_index)
+                      split: str = "train", rollout_id: str | None = None) -> Rollout:
+    """`rollout_id`: given by a caller that records the rollout elsewhere too (the Ray driver)."""
+    rid = rollout_id or new_rollout_id(step, task.instance_id, sample_index)
     rollout = Rollout(id=rid, step=step, task_id=task.instance_id, group_id=group_id, sample_index=sample_index,
                       harness=ctx.harness.name, split=split,
                       weight_version_start=ctx.proxy.engine.weight_version)

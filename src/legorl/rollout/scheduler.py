@@ -8,17 +8,29 @@
   so one slow rollout never blocks a step.
 - A complete group whose rewards are all equal carries no signal: it is replaced by a new
   task's group, up to `refills` times per step, and counted.
+- Where an episode runs is pluggable (`RunEpisode`): in this process (`run_episode` with the
+  driver's context) or on a Ray rollout worker (rollout/cluster.py); the scheduling is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from legorl.records import Rollout
+from legorl.records import Outcome, Rollout
 from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.rollout.outcomes import Policy
 from legorl.tasks import Task
+
+
+class RunEpisode(Protocol):
+    """Runs one rollout to its recorded end (`run_episode` without the context)."""
+
+    def __call__(self, task: Task, *, step: int, group_id: str, sample_index: int,
+                 split: str) -> Awaitable[Rollout]: ...
 
 
 @dataclass
@@ -43,19 +55,28 @@ def zero_variance(group: list[Rollout]) -> bool:
 
 
 class GroupRunner:
-    def __init__(self, ctx: EpisodeContext, *, concurrency: int, max_retries: int = 2, backoff: float = 1.0):
-        self.ctx = ctx
+    def __init__(self, run: RunEpisode, policies: dict[Outcome, Policy], *, concurrency: int,
+                 max_retries: int = 2, backoff: float = 1.0):
+        self.run = run
+        self.policies = policies
         self.sem = asyncio.Semaphore(concurrency)
         self.max_retries = max_retries
         self.backoff = backoff
+
+    @classmethod
+    def local(cls, ctx: EpisodeContext, *, concurrency: int, max_retries: int = 2,
+              backoff: float = 1.0) -> GroupRunner:
+        """Episodes in this process, with the driver's context."""
+        return cls(functools.partial(run_episode, ctx), ctx.policies, concurrency=concurrency,
+                   max_retries=max_retries, backoff=backoff)
 
     async def _one(self, task: Task, step: int, sample: int, split: str, stats: GroupStats) -> Rollout:
         attempt = 0
         while True:
             async with self.sem:
-                r = await run_episode(self.ctx, task, step=step, group_id=f"{step}:{split}:{task.instance_id}",
-                                      sample_index=sample, split=split)
-            if self.ctx.policies.get(r.outcome) != "retry" or attempt >= self.max_retries:
+                r = await self.run(task, step=step, group_id=f"{step}:{split}:{task.instance_id}",
+                                   sample_index=sample, split=split)
+            if self.policies.get(r.outcome) != "retry" or attempt >= self.max_retries:
                 return r
             attempt += 1
             stats.retries += 1

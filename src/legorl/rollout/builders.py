@@ -1,0 +1,89 @@
+"""The parts a rollout needs, built from the config: one place for the driver and the Ray workers.
+
+The embedded driver builds one harness, proxy and EpisodeContext; each Ray rollout worker
+(rollout/cluster.py) builds its own with the same functions, so both paths run the same
+episodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from legorl.config import Config, SFTConfig
+from legorl.harness.base import Harness
+from legorl.proxy.server import Proxy, SamplingOverride
+from legorl.records import LLMCall
+from legorl.rollout.episode import EpisodeContext
+from legorl.rollout.outcomes import resolve_policies
+from legorl.sandbox.limits import SandboxLimits
+from legorl.store import Store
+from legorl.tasks import Task
+
+
+def make_harness(cfg: Config, log_dir: Path) -> Harness:
+    """The configured harness: mini-swe-agent (Python API in a worker), or a CLI run inside the sandbox."""
+    from legorl.harness.claude_code import ClaudeCodeHarness
+    from legorl.harness.codex import CodexHarness
+    from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+
+    h = cfg.harness
+    if h.name == "claude-code":
+        kw = {"instance_template": h.instance_template} if h.instance_template else {}
+        return ClaudeCodeHarness(max_turns=h.step_limit, timeout=cfg.rollout.agent_timeout, **kw)
+    if h.name == "codex":
+        kw = {"instance_template": h.instance_template} if h.instance_template else {}
+        return CodexHarness(timeout=cfg.rollout.agent_timeout, **kw)
+    return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)
+
+
+def make_proxy(cfg: Config, engine: Any, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
+    """The LLM proxy with the run's sampling overrides; every call goes to `on_call` (a store)."""
+    s = cfg.sampling
+    return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name,
+                 sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k), on_call=on_call)
+
+
+def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
+    """A vLLM / SGLang client for `engine.urls` (engine.kind vllm or sglang)."""
+    from legorl.engine.remote import SGLangEngine, VLLMEngine
+
+    e = cfg.engine
+    if not e.urls:
+        raise ValueError(f"engine.kind is {e.kind} but engine.urls is empty: give one URL per server")
+    cls = VLLMEngine if e.kind == "vllm" else SGLangEngine
+    return cls(e.urls, checkpoint_dir=e.checkpoint_dir, base_model_dir=cfg.model.path,
+               vocab_size=len(tokenizer))
+
+
+def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task], list[str]] | None]:
+    """The SFT teacher engine and, for the scripted teacher, the script it plays per task."""
+    from legorl.engine.scripted import ScriptedEngine
+    from legorl.engine.upstream import UpstreamEngine
+    from legorl.tasks.teacher import teacher_script
+
+    if c.teacher == "upstream":
+        if not (c.teacher_url and c.teacher_model):
+            raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
+        return UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer), None
+    return ScriptedEngine(tokenizer), teacher_script
+
+
+def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:
+    """What sandboxes must not see: the run directory, the model cache, the task files."""
+    hide = [run_dir, cache_dir]
+    if cfg.tasks.path:
+        hide.append(Path(cfg.tasks.path).resolve().parent)
+    return hide
+
+
+def make_context(cfg: Config, *, proxy: Proxy, harness: Harness, store: Store, run_dir: Path, label: str,
+                 hide_paths: list[Path]) -> EpisodeContext:
+    """The long-lived parts an episode uses; sandboxes go under `run_dir / "sandboxes"`."""
+    r = cfg.rollout
+    return EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=run_dir, label=label,
+                          hide_paths=hide_paths, agent_timeout=r.agent_timeout,
+                          grading_timeout=r.grading_timeout, policies=resolve_policies(r.policies),
+                          faults=cfg.faults, limits=SandboxLimits.from_dict(cfg.sandbox.limits),
+                          sandbox_uid=cfg.sandbox.uid)
