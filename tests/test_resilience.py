@@ -116,3 +116,16 @@ def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
     assert set(trained_steps) <= {0, 1, 2}
     assert rep["integrity"]["trained_from_masked"] == 0 and rep["integrity"]["untraceable_samples"] == 0
     assert not run_processes(run_dir)
+
+
+def test_fault_wrapper_passes_the_restored_weight_version_to_the_engine():
+    from legorl.config import FaultsConfig
+    from legorl.rollout.faults import FaultyEngine
+
+    class Engine:
+        weight_version = 3
+
+    engine = Engine()
+    wrapped = FaultyEngine(engine, FaultsConfig(engine_exception=0.5))
+    wrapped.weight_version = 7  # what --resume does to keep version stamps continuous
+    assert engine.weight_version == 7 and wrapped.weight_version == 7

@@ -50,8 +50,16 @@ class FaultyEngine:
         self.cfg = cfg
         self._rng = random.Random(cfg.seed)
 
-    def __getattr__(self, name: str) -> Any:  # weight_version, update_weights, close, set_script...
+    def __getattr__(self, name: str) -> Any:  # update_weights, close, set_script...
         return getattr(self.inner, name)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:  # resume restores it on the real engine, not the wrapper
+        self.inner.weight_version = value
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        rollout_id: str = "") -> GenerationResult:
