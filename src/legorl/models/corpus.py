@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 # Bump when the generators change: part of the tokenizer cache key via the text hash anyway,
 # but kept explicit so a reader sees when the corpus recipe moved.
-CORPUS_VERSION = 2
+CORPUS_VERSION = 3
 
 _NOUNS = [
     "user",
@@ -352,6 +352,25 @@ def prose(rng: random.Random) -> str:
     return " ".join(sentences) + "\n"
 
 
+def builtin_task_text(rng: random.Random) -> str:
+    """A built-in task's identifiers in use: statement, module and the commands an agent runs on it.
+
+    A real tokenizer has whole tokens for common code identifiers; this gives the built-in one the
+    same for the built-in suite's vocabulary (`feet_to_inches`, `triangular`), so copying a name
+    from a problem statement into a command is one token, not a dozen byte pieces.
+    """
+    from legorl.tasks.builtin import FAMILIES, HELPERS, WORDS
+
+    bug = FAMILIES[rng.choice(sorted(FAMILIES))](rng)
+    names, helper_src, helper_call = rng.choice(HELPERS)
+    helper = helper_src.format(g=rng.choice(names))
+    path = f"pkg_{rng.choice(WORDS)}{rng.randint(10, 99)}/{bug.module}.py"
+    return (
+        f"`{bug.f2p[0]}` returns a wrong value.\n\n{helper}\n\n{bug.code}\n"
+        f"$ cat $(grep -rl 'def {bug.func}' .)\n$ sed -i 's|{bug.bad}|{bug.good}|' {path}\n"
+    )
+
+
 def _chunks(rng: random.Random) -> Iterator[str]:
     mod = f"{rng.choice(_PKGS)}/{rng.choice(_NOUNS)}s"
     makers = [
@@ -363,8 +382,9 @@ def _chunks(rng: random.Random) -> Iterator[str]:
         lambda: agent_turn(rng, mod),
         lambda: problem_statement(rng),
         lambda: prose(rng),
+        lambda: builtin_task_text(rng),
     ]
-    weights = [4, 2, 2, 2, 2, 3, 1, 2]
+    weights = [4, 2, 2, 2, 2, 3, 1, 2, 2]
     for maker in rng.choices(makers, weights=weights, k=rng.randint(3, 8)):
         yield maker()
 

@@ -203,7 +203,7 @@ FAMILIES: dict[str, Callable[[random.Random], Bug]] = {
 }
 
 # Correct helper functions that sit next to the bug: distractors with PASS_TO_PASS tests.
-_HELPERS = [
+HELPERS = [
     (["double", "twice"], "def {g}(x):\n    return 2 * x\n", "{g}(4)"),
     (["normalize", "clean"], "def {g}(s):\n    return s.strip().lower()\n", "{g}('  AbC ')"),
     (["is_empty", "empty"], "def {g}(xs):\n    return len(xs) == 0\n", "{g}([1])"),
@@ -236,7 +236,7 @@ def make_task(family: str, r: random.Random, split: str) -> Task:
     bug = FAMILIES[family](r)
     _require(bug.code.count(bug.good) == 1, family, f"{bug.good!r} must occur once")
     pkg = f"pkg_{r.choice(WORDS)}{r.randint(10, 99)}"
-    names, helper_src, helper_call = r.choice(_HELPERS)
+    names, helper_src, helper_call = r.choice(HELPERS)
     g = r.choice(names)
     helper_src, helper_call = helper_src.format(g=g), helper_call.format(g=g)
     good_code = f'"""{bug.module.capitalize()} helpers."""\n\n\n{helper_src}\n\n{bug.code}'

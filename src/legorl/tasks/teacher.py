@@ -109,17 +109,29 @@ def function_name(task: Task, edit: LineEdit) -> str:
     return names[-1] if names else edit.path.rsplit("/", 1)[-1].removesuffix(".py")
 
 
+SOURCES = "$(grep -rl 'def ' --include='*.py' --exclude-dir=tests .)"
+
+
+def source_files(task: Task) -> list[str]:
+    """What `SOURCES` finds in the task's repo: Python files outside tests/ that define a function."""
+    return sorted(path for path, text in task.files.items()
+                  if path.endswith(".py") and "tests" not in path.split("/")[:-1] and "def " in text)
+
+
 def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> list[str]:
     """Assistant turns for one episode: read the function's file, fix the line, submit.
 
-    The file is found with `grep -rl 'def NAME' .` inside each command, so the agent never has to
-    copy a path out of earlier output: a small model can learn it from a few dozen episodes.
+    The file is found inside each command, so the agent never copies a path out of earlier output:
+    `grep -rl 'def ' --include='*.py' --exclude-dir=tests .` (every source file with a function)
+    when that finds only the buggy file, as in the built-in repos, else `grep -rl 'def NAME' .`.
+    The small embedded model learns either from a few hundred episodes; the first does not ask
+    it to copy an identifier out of the problem statement.
     solve=False reads and submits without fixing. run_tests adds a `pytest` turn before submitting
     (off by default: its output makes episodes much longer for the small embedded model).
     """
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
-    where = f"$(grep -rl 'def {function_name(task, edit)}' .)"
+    where = SOURCES if source_files(task) == [edit.path] else f"$(grep -rl 'def {function_name(task, edit)}' .)"
     read = f"nl -ba {where}" if line else f"cat {where}"  # line numbers when the fix needs one
     turns = [_turn("Let me read the function.", read)]
     if solve:
