@@ -191,6 +191,41 @@ def test_close_leaves_no_process_and_is_idempotent(tmp_path: Path) -> None:
     run(main())
 
 
+def _bwraps_under(root: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace") if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if cmd.startswith("bwrap") and str(root) in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+def test_cancelled_creation_never_hangs_or_leaks_a_sandbox(tmp_path: Path) -> None:
+    """A straggler cancelled while its sandbox starts (any moment) returns promptly and leaves no bwrap."""
+    async def main() -> None:
+        for i, delay in enumerate([0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3]):
+            ws = tmp_path / f"ws{i}"
+            ws.mkdir()
+            task = asyncio.ensure_future(BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / f"sb{i}",
+                                                             label="test-cancel"))
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                box = await asyncio.wait_for(task, 20)  # a hang fails the test instead of wedging it
+            except asyncio.CancelledError:
+                continue
+            await box.close()  # it was ready before the cancellation landed
+        deadline = time.monotonic() + 10
+        while _bwraps_under(tmp_path) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert _bwraps_under(tmp_path) == []
+
+    run(main())
+
+
 def test_reap_orphans_kills_leftover_sandboxes(tmp_path: Path) -> None:
     async def main() -> None:
         box = await make(tmp_path / "sandboxes" / "r1")

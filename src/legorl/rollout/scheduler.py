@@ -56,8 +56,9 @@ def zero_variance(group: list[Rollout]) -> bool:
 
 class GroupRunner:
     def __init__(self, run: RunEpisode, policies: dict[Outcome, Policy], *, concurrency: int,
-                 max_retries: int = 2, backoff: float = 1.0):
+                 max_retries: int = 2, backoff: float = 1.0, cancel_wait: float = 60.0):
         self.run = run
+        self.cancel_wait = cancel_wait  # seconds a cancelled straggler gets to clean up and record itself
         self.policies = policies
         self.sem = asyncio.Semaphore(concurrency)
         self.max_retries = max_retries
@@ -148,6 +149,9 @@ class GroupRunner:
             for t in running:  # stragglers: cancelled, they clean up and record themselves
                 t.cancel()
             stats.cancelled = len(running)
-            await asyncio.gather(*running, return_exceptions=True)
+            if running:  # bounded: a clean-up that hangs must not wedge the step
+                _, stuck = await asyncio.wait(running, timeout=self.cancel_wait)
+                stats.errors += [f"{running[t].instance_id}: still cleaning up {self.cancel_wait:.0f} s after "
+                                 "cancellation; left behind" for t in stuck]
         stats.kept = len(kept)
         return kept, stats

@@ -104,6 +104,12 @@ def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {"PATH": path, **SANDBOX_ENV, **(extra or {})}
 
 
+def _kill_spawned(spawn: asyncio.Future) -> None:
+    """Done-callback for a sandbox whose creator was cancelled while bwrap was being started."""
+    if not spawn.cancelled() and spawn.exception() is None:
+        kill_tree(spawn.result().pid)
+
+
 def bwrap_argv(
     *,
     workspace: Path,
@@ -277,18 +283,24 @@ class BwrapSandbox(ControlledSandbox):
             drop_to=ids,
         )
         log = os.open(sandbox_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Shielded: cancelling asyncio's subprocess set-up midway can leave the started bwrap
+        # unowned (a leaked sandbox) or hang the canceller on CPython 3.11. A cancelled caller
+        # leaves at once; the spawn completes on its own and the sandbox is killed when it does.
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+        ))
+        spawn.add_done_callback(lambda _: os.close(log))  # not before: a cancelled caller's spawn still uses it
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                start_new_session=True,
-            )
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            spawn.add_done_callback(_kill_spawned)
+            raise
         except OSError as e:
             raise SandboxError(f"could not start bwrap: {e}") from e
-        finally:
-            os.close(log)
         (sandbox_dir / "label.json").write_text(
             json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time(), "uid": ids and ids[0]})
         )
@@ -298,6 +310,9 @@ class BwrapSandbox(ControlledSandbox):
             line = await asyncio.wait_for(proc.stdout.readline(), start_timeout)
         except TimeoutError:
             line = b""
+        except asyncio.CancelledError:
+            kill_tree(proc.pid)  # the caller never gets the box to close: kill it now, without awaiting
+            raise
         if line.strip() != b"ready":
             await box.close()
             tail = (sandbox_dir / "bwrap.log").read_text(errors="replace")[-2000:]
