@@ -53,7 +53,10 @@ def train(
     from legorl.pipeline import run_job
 
     console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
-    summary = asyncio.run(run_job(cfg, run_dir, resume=resume is not None))
+    try:
+        summary = asyncio.run(run_job(cfg, run_dir, resume=resume is not None))
+    except ConfigError as e:  # settings that only the loaded tasks can show to be wrong
+        _fail(str(e))
     console.print(f"done in {summary['wall_time_s']:.0f}s. summary: {run_dir / 'summary.json'}; "
                   f"report: legorl report {run_dir} --json")
 

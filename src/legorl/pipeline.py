@@ -27,7 +27,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from legorl.config import Config
+from legorl.config import Config, ConfigError
 from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
@@ -99,6 +99,8 @@ class Driver:
 
     async def __aenter__(self) -> Driver:
         cfg = self.cfg
+        self.train_tasks, self.heldout_tasks = load_tasks(cfg)
+        self.rl_pool()  # a task pool the config leaves empty fails now, before anything starts
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await reap_orphans(self.run_dir / "sandboxes")  # leftovers of a killed earlier run
         if cfg.engine.torch_threads:
@@ -143,7 +145,6 @@ class Driver:
             await self.harness.start()
         if self.resume:
             await self._restore()
-        self.train_tasks, self.heldout_tasks = load_tasks(cfg)
         hide = hidden_paths(cfg, self.run_dir, self.cache_dir)
         r = cfg.rollout
         if ray_mode:
@@ -227,14 +228,19 @@ class Driver:
         """The step's task pool: the groups to train on, then over-sampling and refill candidates."""
         r = self.cfg.rollout
         rng = random.Random(self.cfg.run.seed * 100_003 + step)
-        pool = self.train_tasks
-        if r.task_pool == "undemonstrated" and self.cfg.sft.enabled:
-            pool = self.train_tasks[self.cfg.sft.demos:]  # collect_demos takes the first sft.demos
-            if not pool:
-                raise ValueError(f"rollout.task_pool is undemonstrated but sft.demos ({self.cfg.sft.demos}) covers "
-                                 f"all {len(self.train_tasks)} train tasks: raise tasks.n_train or lower sft.demos")
+        pool = self.rl_pool()
         k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(pool))
         return rng.sample(pool, k)
+
+    def rl_pool(self) -> list[Task]:
+        """The train tasks RL samples from (`rollout.task_pool`)."""
+        if self.cfg.rollout.task_pool == "all" or not self.cfg.sft.enabled:
+            return self.train_tasks
+        pool = self.train_tasks[self.cfg.sft.demos:]  # collect_demos takes the first sft.demos
+        if not pool:
+            raise ConfigError(f"rollout.task_pool is undemonstrated but sft.demos ({self.cfg.sft.demos}) covers all "
+                             f"{len(self.train_tasks)} train tasks: raise tasks.n_train or lower sft.demos")
+        return pool
 
     def _progress(self, label: str, total: int) -> tuple[Progress, Any]:
         progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
