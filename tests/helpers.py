@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
+
+
+def run_processes(root: Path, kinds: tuple[str, ...] = ("bwrap", "mini_worker")) -> list[str]:
+    """Live processes whose command line names `root` and one of `kinds` (sandboxes, harness workers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(root) in cmd and any(k in cmd for k in kinds):
+            found.append(f"{proc.name}: {cmd[:120]}")
+    return found
 
 
 def tiny_qwen3(seed: int = 0, **config: object) -> transformers.Qwen3ForCausalLM:

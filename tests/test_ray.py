@@ -13,9 +13,9 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
+from helpers import run_processes
 
 from legorl.config import load_config
 from legorl.models import load_tokenizer
@@ -28,19 +28,6 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'lego
 pytestmark = pytest.mark.e2e
 
 
-def run_processes(run_dir: Path) -> list[str]:
-    """Processes of this run still alive: sandboxes (bwrap) and harness workers."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in cmd and ("bwrap" in cmd or "mini_worker" in cmd):
-            found.append(f"{proc.name}: {cmd[:120]}")
-    return found
 
 
 TOY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sampling.max_tokens=48",

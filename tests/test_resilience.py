@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sampling.max_tokens=32",
@@ -27,19 +28,6 @@ def report(run_dir: Path) -> dict:
     return json.loads(p.stdout)
 
 
-def run_processes(run_dir: Path) -> list[str]:
-    """Processes that belong to a run: its sandboxes (bwrap) and harness workers."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in cmd and ("bwrap" in cmd or "mini_worker" in cmd):
-            found.append(f"{proc.name}: {cmd[:120]}")
-    return found
 
 
 def test_chaos_run_completes_and_never_trains_on_failures(tmp_path, cache_dir):

@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_processes
 
 from legorl.sandbox import SandboxError, SandboxLimits
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree, reap_orphans
 from legorl.sandbox.client import SandboxClient
-from legorl.sandbox.rootfs import visible_paths
 from legorl.sandbox.procs import alive
+from legorl.sandbox.rootfs import visible_paths
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 ROOT = os.geteuid() == 0
@@ -191,18 +192,6 @@ def test_close_leaves_no_process_and_is_idempotent(tmp_path: Path) -> None:
     run(main())
 
 
-def _bwraps_under(root: Path) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().decode(errors="replace") if proc.name.isdigit() else ""
-        except OSError:
-            continue
-        if cmd.startswith("bwrap") and str(root) in cmd:
-            found.append(int(proc.name))
-    return found
-
-
 def test_cancelled_creation_never_hangs_or_leaks_a_sandbox(tmp_path: Path) -> None:
     """A straggler cancelled while its sandbox starts (any moment) returns promptly and leaves no bwrap."""
     async def main() -> None:
@@ -219,9 +208,9 @@ def test_cancelled_creation_never_hangs_or_leaks_a_sandbox(tmp_path: Path) -> No
                 continue
             await box.close()  # it was ready before the cancellation landed
         deadline = time.monotonic() + 10
-        while _bwraps_under(tmp_path) and time.monotonic() < deadline:
+        while run_processes(tmp_path, kinds=("bwrap",)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert _bwraps_under(tmp_path) == []
+        assert run_processes(tmp_path, kinds=("bwrap",)) == []
 
     run(main())
 
