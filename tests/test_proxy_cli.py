@@ -51,9 +51,11 @@ def test_standalone_proxy_records_any_harness(tmp_path, tokenizer):
         m = an.messages.create(model="any", max_tokens=50, messages=[{"role": "user", "content": "hi"}],
                                tools=[{"name": "bash", "input_schema": {"type": "object"}}])
         assert m.content[0].type == "tool_use"  # each session replays the script from its start
+        oa.close()  # no idle keep-alive connection left for the server's shutdown to wait on
+        an.close()
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)
     stats = json.loads(err[err.index("{"):])
     assert stats["calls"] == 2 and stats["by_format"] == {"openai_chat": 1, "anthropic_messages": 1}
     out = subprocess.run([legorl, "report", str(run_dir), "--json"], capture_output=True, text=True, check=True)

@@ -157,7 +157,7 @@ class EngineServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048)
+                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         # _serve, not serve: the process owns signal handling.
         self._serve_task = asyncio.create_task(self._server._serve(sockets=[sock]))

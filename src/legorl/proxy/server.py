@@ -198,7 +198,7 @@ class Proxy:
             sockets.append(us)
             self.unix_socket = unix_socket
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048)
+                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         # _serve, not serve: the driver owns signal handling, uvicorn must not capture SIGINT.
         self._serve_task = asyncio.create_task(self._server._serve(sockets=sockets))
