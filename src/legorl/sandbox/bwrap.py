@@ -28,6 +28,7 @@ RLIMIT_NPROC is counted per namespace (Linux >= 5.14).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -104,10 +105,27 @@ def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {"PATH": path, **SANDBOX_ENV, **(extra or {})}
 
 
-def _kill_spawned(spawn: asyncio.Future) -> None:
-    """Done-callback for a sandbox whose creator was cancelled while bwrap was being started."""
-    if not spawn.cancelled() and spawn.exception() is None:
-        kill_tree(spawn.result().pid)
+_DISCARDING: set[asyncio.Task] = set()
+
+
+async def _discard(proc: asyncio.subprocess.Process, start_timeout: float) -> None:
+    """Kill a sandbox whose creator was cancelled, once it has started: killing bwrap mid-fork can
+    orphan its inner process before that one has asked to die with its parent."""
+    try:
+        assert proc.stdout is not None
+        await asyncio.wait_for(proc.stdout.readline(), start_timeout)
+    except Exception:  # noqa: BLE001 - any end of the start will do; the kill follows
+        pass
+    finally:
+        kill_tree(proc.pid)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proc.wait(), 10)
+
+
+def _discard_later(proc: asyncio.subprocess.Process, start_timeout: float) -> None:
+    task = asyncio.get_running_loop().create_task(_discard(proc, start_timeout))
+    _DISCARDING.add(task)  # held: the cancelled creator no longer references it
+    task.add_done_callback(_DISCARDING.discard)
 
 
 def bwrap_argv(
@@ -297,7 +315,8 @@ class BwrapSandbox(ControlledSandbox):
         try:
             proc = await asyncio.shield(spawn)
         except asyncio.CancelledError:
-            spawn.add_done_callback(_kill_spawned)
+            spawn.add_done_callback(lambda f: f.cancelled() or f.exception() or _discard_later(f.result(),
+                                                                                                start_timeout))
             raise
         except OSError as e:
             raise SandboxError(f"could not start bwrap: {e}") from e
@@ -311,7 +330,7 @@ class BwrapSandbox(ControlledSandbox):
         except TimeoutError:
             line = b""
         except asyncio.CancelledError:
-            kill_tree(proc.pid)  # the caller never gets the box to close: kill it now, without awaiting
+            _discard_later(proc, start_timeout)  # the caller never gets the box to close
             raise
         if line.strip() != b"ready":
             await box.close()
