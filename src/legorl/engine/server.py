@@ -27,7 +27,6 @@ Logprobs follow ``legorl.engine.sampling`` (the distribution actually sampled fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import socket
@@ -36,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -46,6 +44,7 @@ from transformers import PreTrainedTokenizerBase
 from legorl.engine.base import ContextOverflowError, EngineError
 from legorl.engine.local import LocalEngine
 from legorl.records import GenerationResult, SamplingParams
+from legorl.serving import LoopServer
 
 
 class BadRequest(Exception):
@@ -139,8 +138,7 @@ class EngineServer:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST", "GET"]),
         ]
         self.app = Starlette(routes=routes)
-        self._server: Any = None
-        self._serve_task: asyncio.Task | None = None
+        self._loop_server = LoopServer(self.app)
 
     @property
     def version_label(self) -> str:
@@ -156,23 +154,11 @@ class EngineServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        # _serve, not serve: the process owns signal handling.
-        self._serve_task = asyncio.create_task(self._server._serve(sockets=[sock]))
-        while not self._server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
-            await asyncio.sleep(0.01)
+        await self._loop_server.start([sock])
         return f"http://{host}:{sock.getsockname()[1]}"
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            if self._serve_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._serve_task, timeout=5)
+        await self._loop_server.stop()
 
     # ---- info ----
 

@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -44,6 +43,7 @@ from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session, SessionRegistry, body_key
 from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
 from legorl.records import LLMCall
+from legorl.serving import LoopServer
 
 __all__ = ["MAX_BODY_BYTES", "Proxy", "ProxyError", "SamplingOverride"]
 
@@ -94,8 +94,7 @@ class Proxy:
         self._idle = asyncio.Event()
         self._idle.set()
         self.app = self._build_app()
-        self._server: uvicorn.Server | None = None
-        self._serve_task: asyncio.Task | None = None
+        self._loop_server = LoopServer(self.app)
         self._tasks: set[asyncio.Task] = set()
         self.host = "127.0.0.1"
         self.port: int | None = None
@@ -197,22 +196,10 @@ class Proxy:
             unix_socket.chmod(0o666)
             sockets.append(us)
             self.unix_socket = unix_socket
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, backlog=2048, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        # _serve, not serve: the driver owns signal handling, uvicorn must not capture SIGINT.
-        self._serve_task = asyncio.create_task(self._server._serve(sockets=sockets))
-        while not self._server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
-            await asyncio.sleep(0.01)
+        await self._loop_server.start(sockets)  # the driver owns signal handling
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            if self._serve_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._serve_task, timeout=5)
+        await self._loop_server.stop()
         if self.unix_socket is not None:
             self.unix_socket.unlink(missing_ok=True)
 
