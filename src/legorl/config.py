@@ -118,6 +118,10 @@ class RolloutConfig(_Section):
     # Which train tasks RL samples: all, or those the SFT demonstrations did not cover (the first
     # sft.demos train tasks), so RL practises on tasks as new to the policy as the held-out ones.
     task_pool: Literal["all", "undemonstrated"] = "all"
+    # Only a submitted episode can be resolved. One that ran out of turns or stopped on format errors
+    # delivered no patch; crediting its diff anyway rewards what it did after the fix (RL then learns
+    # to stop submitting). false: grade the workspace diff however the episode ended.
+    require_submit: bool = True
     # What each outcome does: train (use the reward), mask (leave loss and baseline), retry (bounded).
     policies: dict[OutcomeName, Literal["train", "mask", "retry"]] = Field(default_factory=dict)
     max_retries: int = Field(2, ge=0)

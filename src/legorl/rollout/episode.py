@@ -51,6 +51,7 @@ class EpisodeContext:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     limits: SandboxLimits | None = None  # None: the sandbox's defaults
     sandbox_uid: int | None = None
+    require_submit: bool = True  # only a submitted episode can be resolved (outcomes.decide)
 
 
 def new_rollout_id(step: int, task_id: str, sample: int) -> str:
@@ -149,7 +150,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             report = await _grade(ctx, task, rollout.diff, box_dir / "grade", plan)
             rollout.timings["grading_s"] = time.time() - t2
         rollout.report = report
-        rollout.outcome, rollout.outcome_reason = decide(facts, calls, report)
+        rollout.outcome, rollout.outcome_reason = decide(facts, calls, report, ctx.require_submit)
         rollout.calls = calls
     except asyncio.CancelledError:
         rollout.outcome, rollout.outcome_reason = Outcome.AGENT_TIMEOUT, CANCELLED_REASON

@@ -72,8 +72,15 @@ def capture_problem(calls: list[LLMCall], proxy_calls: int) -> str:
     return ""
 
 
-def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | None) -> tuple[Outcome, str]:
-    """The outcome of an episode and the reason, in order of what dominates."""
+def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | None,
+           require_submit: bool = True) -> tuple[Outcome, str]:
+    """The outcome of an episode and the reason, in order of what dominates.
+
+    With ``require_submit`` only a submitted episode can be resolved: one that ran out of turns or
+    stopped on format errors delivered no patch (mini-swe-agent's SWE-bench prediction is then
+    empty), even if its workspace diff happens to pass. Crediting such episodes rewards whatever
+    the agent did after its fix, and RL then learns to stop submitting.
+    """
     if facts.sandbox_error:
         return Outcome.SANDBOX_ERROR, facts.sandbox_error
     if facts.timed_out:
@@ -96,11 +103,14 @@ def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | Non
         return Outcome.AGENT_CRASH, h.error or f"harness ended with {h.exit_status or 'no status'}"
     if report is None or report.outcome == Outcome.GRADER_ERROR:
         return Outcome.GRADER_ERROR, report.reason if report else "not graded"
-    if report.resolved:
+    if report.resolved and (h.exit_status == "Submitted" or not require_submit):
         return Outcome.RESOLVED, "every FAIL_TO_PASS and PASS_TO_PASS test passed"
+    reason = report.reason or "hidden tests failed"
+    if report.resolved:
+        reason = f"not submitted ({h.exit_status}), although its workspace diff passes the hidden tests"
     if h.exit_status == "LimitsExceeded":
-        return Outcome.MAX_TURNS, "step limit reached; " + (report.reason or "hidden tests failed")
-    return Outcome.UNRESOLVED, report.reason or "hidden tests failed"
+        return Outcome.MAX_TURNS, "step limit reached; " + reason
+    return Outcome.UNRESOLVED, reason
 
 
 def reward_for(outcome: Outcome, policies: dict[Outcome, Policy] | None = None) -> float | None:
