@@ -23,7 +23,6 @@ from legorl.engine import (
 from legorl.models import IM_END, ModelSpec, build_model, render_tool_call_text
 from legorl.records import GenerationResult, SamplingParams
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

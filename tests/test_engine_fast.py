@@ -18,7 +18,6 @@ from legorl.engine.sampling import BatchParams, sample_batch
 from legorl.models import ModelSpec, build_model
 from legorl.records import GenerationResult, SamplingParams
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
