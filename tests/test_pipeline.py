@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from legorl.config import load_config
@@ -48,6 +49,15 @@ def test_every_stage_produced_records(toy_run):
     assert report["steps"] == 1 and report["llm_calls"] > 0
     assert report["fidelity"]["violations"] == 0
     assert "train/logprob_pearson" in report["last_step"]
+
+
+def test_rl_starts_with_sft_second_moments_and_a_fresh_first_moment(toy_run):
+    run_dir, _ = toy_run
+    state = torch.load(run_dir / "checkpoints" / "sft" / "trainer_state.pt", weights_only=True)
+    moments = list(state["optimizer"]["state"].values())
+    assert moments, "the SFT checkpoint kept no optimizer state"
+    assert all(float(m["exp_avg"].abs().sum()) == 0.0 for m in moments)
+    assert sum(float(m["exp_avg_sq"].sum()) for m in moments) > 0.0
 
 
 def test_checkpoint_loads_with_transformers(toy_run):

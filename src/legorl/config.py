@@ -183,6 +183,9 @@ class SFTConfig(_Section):
     epochs: int = Field(2, ge=0)
     lr: float = Field(1e-3, ge=0.0)
     batch_sequences: int = Field(8, gt=0)
+    # RL keeps the optimizer's second moments from SFT, so an update is as large as its gradient
+    # warrants; false: RL starts from fresh Adam moments (sign-like first steps of size lr).
+    keep_second_moments: bool = True
 
 
 class EvalConfig(_Section):

@@ -368,7 +368,14 @@ class Driver:
                     progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
-        self.trainer.optimizer.state.clear()  # RL starts with fresh Adam moments
+        # RL gets a fresh first moment. Keeping the second one makes an RL update's size follow its
+        # gradient's: fresh Adam moves every weight by ~lr on its first steps however little signal
+        # the step had, and those sign-like steps of noise wore away what SFT taught.
+        for state in self.trainer.optimizer.state.values():
+            if c.keep_second_moments:
+                state["exp_avg"].zero_()
+            else:
+                state.clear()
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
         return {"sft/sequences": float(len(seqs)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
