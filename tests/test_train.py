@@ -47,6 +47,12 @@ def test_small_groups_get_zero() -> None:
     assert group_advantages([]) == []
 
 
+def test_reinforce_has_no_baseline() -> None:
+    # Only resolved rollouts train; a lone or all-resolved group still does; masked stay masked.
+    assert group_advantages([1.0, 0.0, None, 1.0], "reinforce") == [1.0, 0.0, None, 1.0]
+    assert group_advantages([1.0], "reinforce") == [1.0]
+
+
 def test_unknown_method() -> None:
     with pytest.raises(ValueError, match="unknown advantage method"):
         group_advantages([1.0, 0.0], method="ppo")

@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO, Dr. GRPO, RLOO) with masked rollouts.
+"""Group-relative advantages (GRPO, Dr. GRPO, RLOO, plain REINFORCE) with masked rollouts.
 
 A reward of None marks a masked rollout (infra failure, timeout, ...): it leaves
 the group baseline and gets no advantage, so failures never poison a group.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-METHODS = ("grpo", "drgrpo", "rloo")
+METHODS = ("grpo", "drgrpo", "rloo", "reinforce")
 
 
 def group_advantages(
@@ -22,10 +22,15 @@ def group_advantages(
     - grpo: r - mean(valid); with normalize_std, divided by (std + eps) (population std).
     - drgrpo: grpo without std normalisation (normalize_std is ignored).
     - rloo: r - mean of the other valid rewards of the group.
+    - reinforce: r, no baseline. With 0/1 rewards only resolved rollouts train: the update is SFT
+      on the policy's own successes (expert iteration), and it never pushes down the tokens a
+      failed rollout shares with successful ones.
     A group with fewer than 2 valid rewards has no baseline: valid ones get 0.0.
     """
     if method not in METHODS:
         raise ValueError(f"unknown advantage method {method!r}; choose one of {METHODS}")
+    if method == "reinforce":
+        return [None if r is None else float(r) for r in rewards]
     valid = [float(r) for r in rewards if r is not None]
     n = len(valid)
     if n < 2:
