@@ -128,6 +128,12 @@ def _discard_later(proc: asyncio.subprocess.Process, start_timeout: float) -> No
     task.add_done_callback(_DISCARDING.discard)
 
 
+def _discard_spawned(spawn: asyncio.Future, start_timeout: float) -> None:
+    """Done-callback of a spawn whose creator was cancelled: discard the sandbox if bwrap started."""
+    if not spawn.cancelled() and spawn.exception() is None:
+        _discard_later(spawn.result(), start_timeout)
+
+
 def bwrap_argv(
     *,
     workspace: Path,
@@ -315,8 +321,7 @@ class BwrapSandbox(ControlledSandbox):
         try:
             proc = await asyncio.shield(spawn)
         except asyncio.CancelledError:
-            spawn.add_done_callback(lambda f: f.cancelled() or f.exception() or _discard_later(f.result(),
-                                                                                                start_timeout))
+            spawn.add_done_callback(lambda f: _discard_spawned(f, start_timeout))
             raise
         except OSError as e:
             raise SandboxError(f"could not start bwrap: {e}") from e
