@@ -69,6 +69,7 @@ def test_threshold_alarms_from_outcome_counts_and_groups() -> None:
 
     same = [ro("a", 0, 1.0), ro("a", 1, 1.0), ro("b", 0, 0.0), ro("b", 1, 0.0), ro("c", 0, 1.0), ro("c", 1, 0.0)]
     assert zero_variance_share(same) == pytest.approx(2 / 3)
+    assert zero_variance_share(same, "reinforce") == pytest.approx(1 / 3)  # all-resolved "a" trains
     assert zero_variance_share([ro("a", 0, 1.0), ro("a", 1, None)]) is None  # one rewarded member: not judged
     fired = mon.update(2, ok, rollouts=same)
     assert [a.name for a in fired] == ["zero_variance_groups"]

@@ -135,7 +135,7 @@ class Driver:
             await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
         m = cfg.monitor
         self.loggers = make_loggers(m.loggers, self.run_dir, cfg.model_dump())
-        self.alarms = AlarmMonitor(m.alarms, self.run_dir)
+        self.alarms = AlarmMonitor(m.alarms, self.run_dir, advantage=cfg.trainer.advantage)
         self.stop_dashboard = None
         if m.dashboard:
             url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
@@ -264,7 +264,8 @@ class Driver:
         with progress:
             groups, stats = await self.runner.train_groups(
                 self.tasks_for_step(step), r.tasks_per_step, step, r.group_size, oversample=r.oversample_groups,
-                refills=r.zero_variance_refills, on_rollout=lambda _: progress.advance(bar))
+                refills=r.zero_variance_refills, advantage=self.cfg.trainer.advantage,
+                on_rollout=lambda _: progress.advance(bar))
         for err in stats.errors:
             console.print(f"[red]rollout failed unexpectedly: {err}")
         return [x for g in groups for x in g], stats.metrics()

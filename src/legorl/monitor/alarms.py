@@ -2,7 +2,8 @@
 
 - `mismatch_kl_rising`: the sampler/trainer mismatch (k3 KL) grew over a window of steps.
 - `tool_calls_collapsing`: the agent stopped calling tools (it started writing prose).
-- `zero_variance_groups`: too many groups whose rewards are all equal (no learning signal).
+- `zero_variance_groups`: too many groups without learning signal (every advantage zero: equal
+  rewards for the baseline methods, all failed for reinforce).
 - `infra_failures`: too many rollouts ended in an infrastructure outcome.
 
 `evaluate(series, cfg)` judges every step of a run (the dashboard shows the history);
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from legorl.monitor.config import AlarmConfig
 from legorl.records import Rollout
+from legorl.train.advantages import carries_signal
 
 log = logging.getLogger("legorl.alarms")
 
@@ -71,7 +73,8 @@ def infra_share(outcomes: dict[str, float], cfg: AlarmConfig) -> tuple[float | N
     return sum(outcomes.get(o, 0.0) for o in cfg.infra_outcomes) / total, total
 
 
-def zero_variance_share(rollouts: Iterable[Rollout]) -> float | None:
+def zero_variance_share(rollouts: Iterable[Rollout], advantage: str = "grpo") -> float | None:
+    """Share of groups (with 2+ rewarded members) that train nothing under the advantage method."""
     groups: dict[str, list[float]] = {}
     for r in rollouts:
         if r.reward is not None:
@@ -79,7 +82,7 @@ def zero_variance_share(rollouts: Iterable[Rollout]) -> float | None:
     judged = [g for g in groups.values() if len(g) >= 2]
     if not judged:
         return None
-    return sum(max(g) == min(g) for g in judged) / len(judged)
+    return sum(not carries_signal(g, advantage) for g in judged) / len(judged)
 
 
 def derived(metrics: dict[str, float], cfg: AlarmConfig) -> dict[str, float | None]:
@@ -152,7 +155,7 @@ def evaluate(series: Series, cfg: AlarmConfig | None = None) -> list[Alarm]:
     cfg = cfg or AlarmConfig()
     alarms = _kl(series, cfg) + _tools(series, cfg)
     alarms += _threshold(series, "zero_variance_groups", ZERO_VARIANCE, cfg.zero_variance_max, cfg,
-                         "of groups have identical rewards: no learning signal from them")
+                         "of groups carry no learning signal (every advantage zero)")
     alarms += _threshold(series, "infra_failures", INFRA_SHARE, cfg.infra_failure_max, cfg,
                          "of rollouts ended in an infrastructure failure (" + ", ".join(cfg.infra_outcomes) + ")")
     return sorted(alarms, key=lambda a: (a.step, a.name))
@@ -162,8 +165,9 @@ class AlarmMonitor:
     """For the training driver: feed each step, get (and log) the alarms that step fires."""
 
     def __init__(self, cfg: AlarmConfig | None = None, run_dir: str | Path | None = None,
-                 logger: logging.Logger | None = None):
+                 logger: logging.Logger | None = None, advantage: str = "grpo"):
         self.cfg = cfg or AlarmConfig()
+        self.advantage = advantage  # what counts as a group without signal
         self.path = Path(run_dir) / "alarms.jsonl" if run_dir is not None else None
         self.log = logger or log
         self.series = Series()
@@ -172,7 +176,7 @@ class AlarmMonitor:
     def update(self, step: int, metrics: dict[str, float], rollouts: list[Rollout] | None = None) -> list[Alarm]:
         values = derived(metrics, self.cfg)
         if rollouts is not None:
-            values[ZERO_VARIANCE] = zero_variance_share(r for r in rollouts if r.split == "train")
+            values[ZERO_VARIANCE] = zero_variance_share((r for r in rollouts if r.split == "train"), self.advantage)
             if self.cfg.tool_metric not in values and self.cfg.tool_metric.startswith("behaviour/"):
                 from legorl.monitor.behaviour import step_metrics
 

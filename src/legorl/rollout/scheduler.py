@@ -6,8 +6,9 @@
 - A training step starts `want + oversample` groups and proceeds as soon as `want` are
   complete; the stragglers are cancelled (they clean up and are recorded as cancelled),
   so one slow rollout never blocks a step.
-- A complete group whose rewards are all equal carries no signal: it is replaced by a new
-  task's group, up to `refills` times per step, and counted.
+- A complete group that carries no signal under the advantage method (every advantage zero:
+  equal rewards for GRPO/RLOO, all failed for reinforce) is replaced by a new task's group, up
+  to `refills` times per step, and counted as `zero_variance`.
 - Where an episode runs is pluggable (`RunEpisode`): in this process (`run_episode` with the
   driver's context) or on a Ray rollout worker (rollout/cluster.py); the scheduling is the same.
 """
@@ -24,6 +25,7 @@ from legorl.records import Outcome, Rollout
 from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.rollout.outcomes import Policy
 from legorl.tasks import Task
+from legorl.train.advantages import carries_signal
 
 
 class RunEpisode(Protocol):
@@ -49,9 +51,9 @@ class GroupStats:
                 "groups/cancelled": float(self.cancelled), "rollouts/retries": float(self.retries)}
 
 
-def zero_variance(group: list[Rollout]) -> bool:
-    rewards = [r.reward for r in group if r.reward is not None]
-    return len(set(rewards)) <= 1
+def zero_variance(group: list[Rollout], advantage: str = "grpo") -> bool:
+    """No rollout of the group would train: every advantage is zero (or masked)."""
+    return not carries_signal([r.reward for r in group], advantage)
 
 
 class GroupRunner:
@@ -113,7 +115,8 @@ class GroupRunner:
         return list(groups), stats
 
     async def train_groups(self, pool: list[Task], want: int, step: int, samples: int, *, oversample: int = 0,
-                           refills: int = 0, on_rollout: Callable[[Rollout], None] | None = None
+                           refills: int = 0, advantage: str = "grpo",
+                           on_rollout: Callable[[Rollout], None] | None = None
                            ) -> tuple[list[list[Rollout]], GroupStats]:
         """`want` complete groups from the task pool, over-sampling and refilling as configured."""
         stats = GroupStats()
@@ -139,7 +142,7 @@ class GroupRunner:
                     group = t.result()
                     if len(kept) >= want:
                         continue
-                    if zero_variance(group):
+                    if zero_variance(group, advantage):
                         stats.zero_variance += 1
                         if stats.refilled < refills and start_next():
                             stats.refilled += 1

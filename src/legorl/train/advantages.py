@@ -52,3 +52,12 @@ def group_advantages(
             adv = adv / (std + eps)
         out.append(adv)
     return out
+
+
+def carries_signal(rewards: list[float | None], method: str = "grpo") -> bool:
+    """Whether a group would train anything: some rollout gets a non-zero advantage.
+
+    For the baseline methods this means the rewards differ; for reinforce, that one is non-zero
+    (an all-resolved group is SFT on eight successes, an all-failed one teaches nothing).
+    """
+    return any(a for a in group_advantages(rewards, method) if a is not None)

@@ -1,0 +1,42 @@
+"""GroupRunner.train_groups: over-sampling, and refills of groups that would train nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from legorl.records import Outcome, Rollout
+from legorl.rollout.scheduler import GroupRunner
+from legorl.tasks import Task
+
+# task id -> the reward every sample of its group gets
+REWARDS = {"all-pass": 1.0, "all-fail": 0.0, "mixed": None, "spare-1": None, "spare-2": None}
+
+
+async def fake_episode(task: Task, *, step: int, group_id: str, sample_index: int, split: str) -> Rollout:
+    await asyncio.sleep(0.01 * len(task.instance_id))  # a fixed finishing order: shorter ids first
+    fixed = REWARDS[task.instance_id]
+    reward = float(sample_index % 2) if fixed is None else fixed
+    return Rollout(id=f"{group_id}:{sample_index}", step=step, task_id=task.instance_id, group_id=group_id,
+                   sample_index=sample_index, harness="fake", split=split, reward=reward,
+                   outcome=Outcome.RESOLVED if reward else Outcome.UNRESOLVED)
+
+
+def run(advantage: str) -> tuple[list[str], dict[str, float]]:
+    pool = [Task(instance_id=i, repo="builtin/x", problem_statement="p") for i in REWARDS]
+    runner = GroupRunner(fake_episode, {}, concurrency=8)
+    groups, stats = asyncio.run(runner.train_groups(pool, want=3, step=0, samples=4, refills=2,
+                                                    advantage=advantage))
+    return sorted(g[0].task_id for g in groups), stats.metrics()
+
+
+def test_grpo_refills_every_group_with_equal_rewards() -> None:
+    kept, m = run("grpo")
+    assert kept == ["mixed", "spare-1", "spare-2"]
+    assert m["groups/zero_variance"] == 2 and m["groups/refilled"] == 2 and m["groups/started"] == 5
+
+
+def test_reinforce_keeps_an_all_resolved_group() -> None:
+    # reinforce trains on every resolved rollout: only the all-failed group carries no signal
+    kept, m = run("reinforce")
+    assert kept == ["all-pass", "mixed", "spare-1"]
+    assert m["groups/zero_variance"] == 1 and m["groups/refilled"] == 1 and m["groups/started"] == 4
