@@ -285,6 +285,8 @@ class Driver:
             for r, adv in zip(members, advs):
                 if adv is None:  # masked: leaves the loss and the baseline
                     continue
+                if adv == 0.0 and self.cfg.trainer.advantage == "reinforce":
+                    continue  # no baseline to be part of: the loss is the mean over rewarded rollouts
                 built = build_sequences(r.id, r.calls, adv)
                 seqs.extend(built)
                 all_calls.extend(r.calls)
