@@ -1,4 +1,4 @@
-"""GroupRunner.train_groups: over-sampling, and refills of groups that would train nothing."""
+"""What trains: GroupRunner.train_groups' refills of groups without signal, and trainable()."""
 
 from __future__ import annotations
 
@@ -40,3 +40,15 @@ def test_reinforce_keeps_an_all_resolved_group() -> None:
     kept, m = run("reinforce")
     assert kept == ["all-pass", "mixed", "spare-1"]
     assert m["groups/zero_variance"] == 1 and m["groups/refilled"] == 1 and m["groups/started"] == 4
+
+
+def test_reinforce_trains_only_rewarded_rollouts_and_grpo_all_valid_ones() -> None:
+    from legorl.pipeline import trainable
+
+    def ro(group: str, i: int, reward: float | None) -> Rollout:
+        return Rollout(id=f"{group}{i}", step=0, task_id=group, group_id=group, sample_index=i, harness="h",
+                       reward=reward)
+
+    batch = [ro("a", 0, 1.0), ro("a", 1, 0.0), ro("a", 2, None), ro("b", 0, 0.0), ro("b", 1, 0.0)]
+    assert [(r.id, a) for r, a in trainable(batch, "reinforce")] == [("a0", 1.0)]
+    assert [(r.id, a) for r, a in trainable(batch, "grpo")] == [("a0", 0.5), ("a1", -0.5), ("b0", 0.0), ("b1", 0.0)]

@@ -85,6 +85,24 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def trainable(rollouts: list[Rollout], method: str, normalize_std: bool = False) -> list[tuple[Rollout, float]]:
+    """(rollout, advantage) for every rollout that trains, advantages taken within its group.
+
+    A masked rollout (reward None) leaves the loss and the baseline. Under reinforce a reward-0
+    rollout is left out too: with no baseline it trains nothing, and the loss becomes the mean
+    over the rewarded rollouts, so a step with few successes is not scaled down.
+    """
+    groups: dict[str, list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(r.group_id, []).append(r)
+    out = []
+    for members in groups.values():
+        advs = group_advantages([r.reward for r in members], method=method, normalize_std=normalize_std)
+        out += [(r, adv) for r, adv in zip(members, advs)
+                if adv is not None and not (method == "reinforce" and adv == 0.0)]
+    return out
+
+
 class Driver:
     """Owns the long-lived parts of a run and runs its steps."""
 
@@ -273,25 +291,16 @@ class Driver:
     def sequences(self, rollouts: list[Rollout]
                   ) -> tuple[list[TrainingSequence], dict[str, float], list[tuple[str, int, float]]]:
         """Token-exact sequences of the trainable rollouts, merge stats, and what was trained (for tracing)."""
-        groups: dict[str, list[Rollout]] = {}
-        for r in rollouts:
-            groups.setdefault(r.group_id, []).append(r)
         seqs: list[TrainingSequence] = []
         all_calls = []
         trained: list[tuple[str, int, float]] = []
-        for members in groups.values():
-            advs = group_advantages([r.reward for r in members], method=self.cfg.trainer.advantage,
-                                    normalize_std=self.cfg.trainer.normalize_std)
-            for r, adv in zip(members, advs):
-                if adv is None:  # masked: leaves the loss and the baseline
-                    continue
-                if adv == 0.0 and self.cfg.trainer.advantage == "reinforce":
-                    continue  # no baseline to be part of: the loss is the mean over rewarded rollouts
-                built = build_sequences(r.id, r.calls, adv)
-                seqs.extend(built)
-                all_calls.extend(r.calls)
-                if built:
-                    trained.append((r.id, len(built), adv))
+        t = self.cfg.trainer
+        for r, adv in trainable(rollouts, t.advantage, t.normalize_std):
+            built = build_sequences(r.id, r.calls, adv)
+            seqs.extend(built)
+            all_calls.extend(r.calls)
+            if built:
+                trained.append((r.id, len(built), adv))
         stats = merge_stats(all_calls, seqs) if seqs else {}
         return seqs, {f"seq/{k}": float(v) for k, v in stats.items()}, trained
 
