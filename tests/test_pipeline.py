@@ -22,7 +22,7 @@ def toy_run(tmp_path_factory, cache_dir):
         f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
         "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=3",
         "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
-        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "eval.before_training=true",
+        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "eval.before_training=true", "rollout.prioritize=true",
         "eval.after_training=true",
     ])
     summary = asyncio.run(run_job(cfg, run_dir))

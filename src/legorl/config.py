@@ -118,6 +118,9 @@ class RolloutConfig(_Section):
     # Which train tasks RL samples: all, or those the SFT demonstrations did not cover (the first
     # sft.demos train tasks), so RL practises on tasks as new to the policy as the held-out ones.
     task_pool: Literal["all", "undemonstrated"] = "all"
+    # Sample task families by the chance that their group trains anything, from this run's pass rates
+    # (rollout/curriculum.py): families the policy never solves stop eating the step's rollouts.
+    prioritize: bool = False
     # Only a submitted episode can be resolved. One that ran out of turns or stopped on format errors
     # delivered no patch; crediting its diff anyway rewards what it did after the fix (RL then learns
     # to stop submitting). false: grade the workspace diff however the episode ended.

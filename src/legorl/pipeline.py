@@ -43,6 +43,7 @@ from legorl.rollout.builders import (
     make_remote_engine,
     make_teacher,
 )
+from legorl.rollout.curriculum import pass_counts, prioritized_sample
 from legorl.rollout.faults import FaultyEngine
 from legorl.rollout.faults import enabled as faults_enabled
 from legorl.rollout.outcomes import resolve_policies
@@ -248,7 +249,11 @@ class Driver:
         rng = random.Random(self.cfg.run.seed * 100_003 + step)
         pool = self.rl_pool()
         k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(pool))
-        return rng.sample(pool, k)
+        if not r.prioritize:
+            return rng.sample(pool, k)
+        # from the store, so a resumed run weighs families exactly as the interrupted one did
+        counts = pass_counts(self.store.rollouts(split="train"), {t.instance_id: t for t in pool})
+        return prioritized_sample(pool, k, counts, r.group_size, self.cfg.trainer.advantage, rng)
 
     def rl_pool(self) -> list[Task]:
         """The train tasks RL samples from (`rollout.task_pool`)."""
