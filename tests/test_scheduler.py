@@ -42,7 +42,7 @@ def test_reinforce_keeps_an_all_resolved_group() -> None:
     assert m["groups/zero_variance"] == 1 and m["groups/refilled"] == 1 and m["groups/started"] == 4
 
 
-def test_reinforce_trains_only_rewarded_rollouts_and_grpo_all_valid_ones() -> None:
+def test_trainable_leaves_out_masked_rollouts_only() -> None:
     from legorl.pipeline import trainable
 
     def ro(group: str, i: int, reward: float | None) -> Rollout:
@@ -50,5 +50,7 @@ def test_reinforce_trains_only_rewarded_rollouts_and_grpo_all_valid_ones() -> No
                        reward=reward)
 
     batch = [ro("a", 0, 1.0), ro("a", 1, 0.0), ro("a", 2, None), ro("b", 0, 0.0), ro("b", 1, 0.0)]
-    assert [(r.id, a) for r, a in trainable(batch, "reinforce")] == [("a0", 1.0)]
+    # reinforce: a failed rollout adds no gradient but counts in the mean (small steps on few successes)
+    assert [(r.id, a) for r, a in trainable(batch, "reinforce")] == [("a0", 1.0), ("a1", 0.0), ("b0", 0.0),
+                                                                     ("b1", 0.0)]
     assert [(r.id, a) for r, a in trainable(batch, "grpo")] == [("a0", 0.5), ("a1", -0.5), ("b0", 0.0), ("b1", 0.0)]

@@ -89,9 +89,10 @@ class StepResult:
 def trainable(rollouts: list[Rollout], method: str, normalize_std: bool = False) -> list[tuple[Rollout, float]]:
     """(rollout, advantage) for every rollout that trains, advantages taken within its group.
 
-    A masked rollout (reward None) leaves the loss and the baseline. Under reinforce a reward-0
-    rollout is left out too: with no baseline it trains nothing, and the loss becomes the mean
-    over the rewarded rollouts, so a step with few successes is not scaled down.
+    A masked rollout (reward None) leaves the loss and the baseline. A reward-0 rollout under
+    reinforce stays: it adds no gradient but counts in the loss's mean, so a step with few
+    successes makes a small update (normalising by the successes alone made one lucky episode
+    a full-size step, and a weak seed collapsed: BENCHMARKS.md, "The main job").
     """
     groups: dict[str, list[Rollout]] = {}
     for r in rollouts:
@@ -99,8 +100,7 @@ def trainable(rollouts: list[Rollout], method: str, normalize_std: bool = False)
     out = []
     for members in groups.values():
         advs = group_advantages([r.reward for r in members], method=method, normalize_std=normalize_std)
-        out += [(r, adv) for r, adv in zip(members, advs)
-                if adv is not None and not (method == "reinforce" and adv == 0.0)]
+        out += [(r, adv) for r, adv in zip(members, advs) if adv is not None]
     return out
 
 
