@@ -24,6 +24,8 @@ def test_pass_counts_by_family_skip_masked_rollouts() -> None:
 
     got = pass_counts([ro("a-0", 1.0), ro("a-1", 0.0), ro("a-1", None), ro("b-0", 0.0), ro("gone", 1.0)], pool)
     assert got == {"a": (2, 1), "b": (1, 0)}
+    # a step's finished rollouts add to the counts so far
+    assert pass_counts([ro("b-0", 1.0)], pool, into=got) == {"a": (2, 1), "b": (2, 1)} != got
 
 
 def test_signal_chance_follows_the_advantage_method() -> None:

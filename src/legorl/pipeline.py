@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,7 @@ class Driver:
         self.cache_dir = Path(cfg.run.cache_dir).expanduser()
         self.label = f"legorl-{self.run_dir.name}"
         self._sock_dir = Path(tempfile.mkdtemp(prefix="legorl-"))  # short path: sun_path is 108 bytes
+        self._family_counts: dict[str, tuple[int, int]] | None = None  # rollout.prioritize
 
     async def __aenter__(self) -> Driver:
         cfg = self.cfg
@@ -251,9 +252,20 @@ class Driver:
         k = min(r.tasks_per_step + r.oversample_groups + r.zero_variance_refills, len(pool))
         if not r.prioritize:
             return rng.sample(pool, k)
-        # from the store, so a resumed run weighs families exactly as the interrupted one did
-        counts = pass_counts(self.store.rollouts(split="train"), {t.instance_id: t for t in pool})
-        return prioritized_sample(pool, k, counts, r.group_size, self.cfg.trainer.advantage, rng)
+        return prioritized_sample(pool, k, self.family_counts(), r.group_size, self.cfg.trainer.advantage, rng)
+
+    def family_counts(self, finished: Iterable[Rollout] = ()) -> dict[str, tuple[int, int]]:
+        """Train pass counts per family (rollout.prioritize), plus `finished`'s.
+
+        Read from the store once per process, so a resumed run weighs families as the interrupted
+        one did; then kept up to date from each step's finished rollouts.
+        """
+        tasks = {t.instance_id: t for t in self.rl_pool()}
+        if self._family_counts is None:
+            self._family_counts = pass_counts(self.store.rollouts(split="train"), tasks)
+        else:
+            self._family_counts = pass_counts(finished, tasks, into=self._family_counts)
+        return self._family_counts
 
     def rl_pool(self) -> list[Task]:
         """The train tasks RL samples from (`rollout.task_pool`)."""
@@ -284,11 +296,18 @@ class Driver:
         r = self.cfg.rollout
         progress, bar = self._progress(f"step {step} rollouts", (r.tasks_per_step + r.oversample_groups)
                                        * r.group_size)
+        finished: list[Rollout] = []  # also the refilled groups': every graded sample tells a pass rate
+
+        def on_rollout(x: Rollout) -> None:
+            finished.append(x)
+            progress.advance(bar)
+
         with progress:
             groups, stats = await self.runner.train_groups(
                 self.tasks_for_step(step), r.tasks_per_step, step, r.group_size, oversample=r.oversample_groups,
-                refills=r.zero_variance_refills, advantage=self.cfg.trainer.advantage,
-                on_rollout=lambda _: progress.advance(bar))
+                refills=r.zero_variance_refills, advantage=self.cfg.trainer.advantage, on_rollout=on_rollout)
+        if r.prioritize:
+            self.family_counts(finished)
         for err in stats.errors:
             console.print(f"[red]rollout failed unexpectedly: {err}")
         return [x for g in groups for x in g], stats.metrics()

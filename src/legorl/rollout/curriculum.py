@@ -24,9 +24,10 @@ def family(task: Task) -> str:
     return task.family or task.repo
 
 
-def pass_counts(rollouts: Iterable[Rollout], tasks: dict[str, Task]) -> dict[str, tuple[int, int]]:
-    """family -> (graded, resolved) over rollouts with a reward (masked ones tell nothing)."""
-    counts: dict[str, tuple[int, int]] = {}
+def pass_counts(rollouts: Iterable[Rollout], tasks: dict[str, Task],
+                into: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """family -> (graded, resolved) over rollouts with a reward (masked ones tell nothing), added to `into`."""
+    counts = dict(into or {})
     for r in rollouts:
         task = tasks.get(r.task_id)
         if r.reward is None or task is None:
