@@ -36,3 +36,12 @@ def test_teacher_finds_the_file_without_the_function_name_when_it_is_the_only_so
 
     for task in TASKS:  # built-in repos: one module with functions, tests under tests/
         assert all(SOURCES in t for t in teacher_script(task)[:2]), teacher_script(task)
+
+
+def test_teacher_quotes_a_script_with_single_quotes_in_double_quotes():
+    """`s|'min'|'h': 3600, 'min'|` in single quotes would need `'\\''` around every key."""
+    missing = [t for t in TASKS if "missing_case" in t.instance_id]
+    assert missing
+    for task in missing:
+        fix = teacher_script(task)[1]
+        assert 'sed -i \\"s|' in fix and "'\\\\''" not in fix, fix

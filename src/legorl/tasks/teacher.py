@@ -45,6 +45,11 @@ def gold_line_edit(patch: str) -> LineEdit:
     return LineEdit(path.group(1), removed[0], added[0], line)
 
 
+# What bash still interprets inside double quotes: `"$`, a backslash before another backslash or at
+# the end (`\.` and `\[` pass through unchanged), and history expansion's `!`, to be safe.
+_DOUBLE_QUOTE_SPECIAL = re.compile(r'["$`!]|\\\\|\\$')
+
+
 def _sed_escape(text: str, replacement: bool) -> str:
     special = r"\|&" if replacement else r"\|.[]*^$"
     return "".join("\\" + ch if ch in special else ch for ch in text)
@@ -88,6 +93,10 @@ def sed_command(edit: LineEdit, line: int | None = None, source: str = "") -> st
         old, new = minimal_replacement(source, edit.old, edit.new)
     old, new = _sed_escape(old, False), _sed_escape(new, True)
     script = f"{line or ''}s|{old}|{new}|"
+    if "'" in script and not _DOUBLE_QUOTE_SPECIAL.search(script):
+        # `s|'min'|'h': 3600, 'min'|` reads as it is in double quotes; in single quotes each ' becomes
+        # '\'' -- four times the characters for the small model to copy exactly.
+        return f'sed -i "{script}" {edit.path}'
     return "sed -i '" + script.replace("'", "'\\''") + f"' {edit.path}"
 
 
