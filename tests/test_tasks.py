@@ -82,6 +82,23 @@ def test_prepare_repo_one_orphan_commit_deterministic(tmp_path: Path) -> None:
     assert git(tmp_path / "a", "status", "--porcelain") == ""
 
 
+def test_task_repo_git_never_reaches_the_repository_around_it(tmp_path: Path) -> None:
+    """A run directory inside a project checkout (``runs/`` of a clone): when a cancelled grading's
+    clean-up removes a task repo's .git mid-way, git must fail there, not commit to the project."""
+    outer = tmp_path / "project"
+    outer.mkdir()
+    git(outer, "init", "-q")
+    git(outer, "commit", "-q", "--allow-empty", "-m", "project")
+    task = generate_tasks(None, 1, seed=2, split="train")[0]
+    repo = outer / "runs" / "r" / "repo"
+    prepare_repo(task, repo)
+    shutil.rmtree(repo / ".git")
+    with pytest.raises(TaskError, match="not a git repository"):
+        git(repo, "commit", "-q", "--allow-empty", "-m", "stray")
+    assert len(git(outer, "rev-list", "--all").split()) == 1
+    assert git(outer, "diff", "--cached", "--name-only") == ""
+
+
 def test_assert_clean_history_catches_leaks(tmp_path: Path) -> None:
     task = generate_tasks(None, 1, seed=2, split="train")[0]
     repo = tmp_path / "r"

@@ -31,8 +31,13 @@ GIT_OPTS = [
 ]  # fmt: skip
 
 
-def git_env() -> dict[str, str]:
+def git_env(repo: Path | None = None) -> dict[str, str]:
+    """Git's environment: host config off, fixed identity and dates. With ``repo``, git never looks
+    above it for a repository: a task repo whose .git was removed mid-way (a cancelled grading's
+    clean-up) must fail, not commit into whatever repository holds the run directory."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    if repo is not None:
+        env["GIT_CEILING_DIRECTORIES"] = str(Path(repo).resolve().parent)
     env.update(
         GIT_CONFIG_NOSYSTEM="1",
         GIT_CONFIG_GLOBAL="/dev/null",
@@ -47,7 +52,7 @@ def git(cwd: Path, *args: str, check: bool = True) -> str:
     proc = subprocess.run(
         ["git", *GIT_OPTS, *args],
         cwd=cwd,
-        env=git_env(),
+        env=git_env(cwd),
         capture_output=True,
         text=True,
         timeout=120,
@@ -176,7 +181,7 @@ def assert_no_hidden_tests(dest: Path, task: Task) -> None:
     if task.test_patch.strip():
         check = subprocess.run(
             ["git", *GIT_OPTS, "apply", "--check", "-"],
-            cwd=dest, env=git_env(), input=task.test_patch.encode(), capture_output=True, timeout=120, check=False,
+            cwd=dest, env=git_env(dest), input=task.test_patch.encode(), capture_output=True, timeout=120, check=False,
         )  # fmt: skip
         if check.returncode != 0:
             raise TaskError(
