@@ -88,7 +88,11 @@ def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
     proc.wait(timeout=60)
     if killed_during is None:
         pytest.fail("the run finished or stalled before it could be killed mid-step")
-    time.sleep(1.0)  # sandboxes die with their parent; workers exit when their stdin closes
+    # Sandboxes and workers exit when the pipes the driver held close; tearing down takes a moment on
+    # a loaded machine, so wait for them (a survivor stays forever and still fails).
+    deadline = time.time() + 30
+    while run_processes(run_dir) and time.time() < deadline:
+        time.sleep(0.2)
     assert not run_processes(run_dir), "processes of the killed run survived"
 
     p = legorl("train", "--resume", str(run_dir), timeout=900)

@@ -215,6 +215,21 @@ def test_cancelled_creation_never_hangs_or_leaks_a_sandbox(tmp_path: Path) -> No
     run(main())
 
 
+def test_sandbox_ends_when_its_host_lets_go_of_the_lifeline(tmp_path: Path) -> None:
+    """The agent exits when the host's end of its stdin closes: a host SIGKILLed before bwrap armed
+    --die-with-parent (the moment just after fork) closes that pipe too, so no sandbox outlives it."""
+    async def main() -> None:
+        box = await make(tmp_path)
+        await box.exec("setsid sleep 1000 >/dev/null 2>&1 &")
+        pids = process_tree(box.pid)
+        assert len(pids) >= 4 and box.proc.stdin is not None
+        box.proc.stdin.close()  # what the kernel does to the pipe when the host process dies
+        assert not await wait_dead(pids, timeout=20)
+        await box.close()
+
+    run(main())
+
+
 def test_reap_orphans_kills_leftover_sandboxes(tmp_path: Path) -> None:
     async def main() -> None:
         box = await make(tmp_path / "sandboxes" / "r1")

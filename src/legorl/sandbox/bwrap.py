@@ -12,7 +12,9 @@ Layout inside the sandbox:
 * ``/tmp`` and ``/dev/shm`` are private size-limited tmpfs mounts; every ``hide_paths``
   entry inside a visible dir is covered by an empty read-only dir (or /dev/null);
 * no network (own net namespace with only loopback), own pid/ipc/uts/user/cgroup
-  namespaces, no capabilities, ``--die-with-parent``, and resource limits (``limits.py``).
+  namespaces, no capabilities, ``--die-with-parent``, and resource limits (``limits.py``);
+* the agent's stdin is a pipe whose write end only the driver holds (``--lifeline``): the
+  sandbox ends with the driver even when a SIGKILL lands before bwrap armed ``--die-with-parent``.
 
 When the driver runs as root, everything inside runs as an unprivileged uid of its own
 (random per sandbox in [SANDBOX_UID_BASE, +SANDBOX_UID_SPAN), or ``LEGORL_SANDBOX_UID``):
@@ -212,7 +214,7 @@ def bwrap_argv(
         argv += ["--relay", str(relay_port), PROXY_SOCKET_INSIDE]
     if spec := limits.agent_arg():
         argv += ["--limits", spec]
-    argv += ["--workdir", inside_workspace]
+    argv += ["--workdir", inside_workspace, "--lifeline"]
     if drop_to is not None:
         argv += ["--uid", str(drop_to[0]), "--gid", str(drop_to[1])]
     return argv
@@ -312,7 +314,7 @@ class BwrapSandbox(ControlledSandbox):
         # leaves at once; the spawn completes on its own and the sandbox is killed when it does.
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE,  # the agent's lifeline: it exits when this process is gone
             stdout=asyncio.subprocess.PIPE,
             stderr=log,
             start_new_session=True,

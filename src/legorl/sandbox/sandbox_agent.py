@@ -14,7 +14,11 @@ host waits on that pipe instead of polling) and only then imports the rest.
 
 Usage: python3 -I -S sandbox_agent.py CONTROL_SOCKET [--relay PORT PROXY_SOCKET]
            [--limits nproc=N,data=BYTES,as=BYTES,cpu=S,fsize=BYTES,nofile=N] [--workdir DIR]
-           [--uid UID --gid GID]
+           [--uid UID --gid GID] [--lifeline]
+
+With ``--lifeline`` the agent exits when its stdin reaches end-of-file: the host keeps the write
+end of that pipe and never writes, so the sandbox ends with the host process however it dies,
+even a SIGKILL landing before bwrap armed ``--die-with-parent``.
 
 With ``--uid``/``--gid`` (a root driver: bwrap runs privileged, without a user namespace,
 keeping only CAP_SETUID/CAP_SETGID) the agent binds its sockets as root, then drops to that
@@ -34,13 +38,17 @@ WORKDIR = ["/workspace"]
 
 
 def parse_args(argv: list) -> dict:
-    opts = {"control": argv[0], "relay": None, "limits": "", "workdir": "/workspace", "uid": "", "gid": ""}
+    opts = {"control": argv[0], "relay": None, "limits": "", "workdir": "/workspace", "uid": "", "gid": "",
+            "lifeline": False}
     i = 1
     while i < len(argv):
         arg = argv[i]
         if arg == "--relay":
             opts["relay"] = (int(argv[i + 1]), argv[i + 2])
             i += 3
+        elif arg == "--lifeline":
+            opts["lifeline"] = True
+            i += 1
         elif arg in ("--limits", "--workdir", "--uid", "--gid"):
             opts[arg[2:]] = argv[i + 1]
             i += 2
@@ -253,6 +261,19 @@ def accept_loop(server, handler, *args) -> None:
         _thread.start_new_thread(handler, (fd, *args))
 
 
+def watch_lifeline() -> None:
+    """Exit once stdin reaches end-of-file: the host that holds its write end has gone."""
+    while True:
+        try:
+            if not posix.read(0, 4096):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    posix._exit(0)
+
+
 def _warm_up() -> None:
     import base64  # noqa: F401 - imported now so the first request does not pay for it
     import json  # noqa: F401
@@ -293,6 +314,8 @@ def main(argv: list) -> None:
     devnull = posix.open("/dev/null", posix.O_WRONLY)
     posix.dup2(devnull, 1)
     posix.close(devnull)
+    if opts["lifeline"]:
+        _thread.start_new_thread(watch_lifeline, ())
     _thread.start_new_thread(_warm_up, ())
     accept_loop(ctl, serve_control)
 
