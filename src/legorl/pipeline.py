@@ -53,6 +53,7 @@ from legorl.store import Store
 from legorl.tasks import Task, builtin_splits
 from legorl.tasks.loaders import load_tasks as load_task_spec
 from legorl.train.advantages import group_advantages
+from legorl.train.schedule import LRSchedule
 from legorl.train.sequences import build_sequences, merge_stats
 from legorl.train.trainer import Trainer
 
@@ -387,18 +388,21 @@ class Driver:
                 for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True)]
         if not seqs:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
-        for group in self.trainer.optimizer.param_groups:
-            group["lr"] = c.lr
+        n_batches = -(-len(seqs) // c.batch_sequences)
+        schedule = LRSchedule(c.lr_schedule, 0, max(1, c.epochs * n_batches))
         rng = random.Random(self.cfg.run.seed)
-        losses = []
+        losses: list[float] = []
+        lr = c.lr
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
-            n_batches = -(-len(seqs) // c.batch_sequences)
             bar = progress.add_task("sft", total=c.epochs * n_batches, loss="")
             for _ in range(c.epochs):
                 rng.shuffle(seqs)
                 for i in range(0, len(seqs), c.batch_sequences):
+                    lr = c.lr * schedule.factor(len(losses))
+                    for group in self.trainer.optimizer.param_groups:
+                        group["lr"] = lr
                     m = await asyncio.to_thread(self.trainer.sft_step, seqs[i:i + c.batch_sequences])
                     losses.append(m["sft/loss"])
                     progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
@@ -415,7 +419,7 @@ class Driver:
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
         return {"sft/sequences": float(len(seqs)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
-                "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
+                "sft/last_lr": lr, "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
 
     # ---- evaluation -------------------------------------------------------------------------------
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
