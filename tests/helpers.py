@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +21,15 @@ def run_processes(root: Path, kinds: tuple[str, ...] = ("bwrap", "mini_worker"))
             continue
         if str(root) in cmd and any(k in cmd for k in kinds):
             found.append(f"{proc.name}: {cmd[:120]}")
+    return found
+
+
+def surviving_processes(root: Path, timeout: float = 30.0) -> list[str]:
+    """run_processes(root) once they had `timeout` seconds to exit: teardown after a kill takes a
+    moment on a loaded machine, while a real survivor stays forever."""
+    deadline = time.monotonic() + timeout
+    while (found := run_processes(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return found
 
 

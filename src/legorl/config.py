@@ -185,8 +185,8 @@ class SFTConfig(_Section):
     demos: int = Field(32, ge=0)  # teacher episodes (train-split tasks, cycled)
     epochs: int = Field(2, ge=0)
     lr: float = Field(1e-3, ge=0.0)
-    # cosine: the lr falls from `lr` to 0 over the warm start, so the policy RL starts from is
-    # the settled end of SFT rather than wherever its last few constant-lr batches left it.
+    # cosine: the lr falls from `lr` to 0 over the warm start. It learns less per epoch than
+    # constant (on the demo, 5 cosine epochs left a policy solving ~1%; BENCHMARKS.md).
     lr_schedule: Literal["constant", "cosine"] = "constant"
     batch_sequences: int = Field(8, gt=0)
     # RL keeps the optimizer's second moments from SFT, so an update is as large as its gradient
