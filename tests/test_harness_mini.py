@@ -7,6 +7,7 @@ from pathlib import Path
 
 from legorl.config import HarnessConfig
 from legorl.engine import ScriptedEngine
+from legorl.grading.grader import EMPTY_PATCH_REASON
 from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.proxy.server import Proxy
 from legorl.records import Outcome
@@ -54,6 +55,9 @@ def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenize
 
     assert wrong.outcome == Outcome.UNRESOLVED and wrong.reward == 0.0
     assert wrong.diff.strip() == ""
+    # An empty patch needs no grading sandbox: validation already showed the pristine repo fails.
+    assert wrong.report.reason == EMPTY_PATCH_REASON
+    assert wrong.report.exit_code is None and wrong.report.collected == 0  # no pytest ran
 
     # no tool call twice in a row: mini stops with RepeatedFormatError; graded, reward 0
     assert no_tool.outcome == Outcome.UNRESOLVED and no_tool.reward == 0.0

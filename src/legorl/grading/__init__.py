@@ -13,6 +13,7 @@ _EXPORTS = {
     "filter_diff_detailed": "legorl.grading.policy",
     "is_test_path": "legorl.grading.policy",
     "grade": "legorl.grading.grader",
+    "empty_patch_report": "legorl.grading.grader",
     "junit_key": "legorl.grading.junit",
     "parse_junit": "legorl.grading.junit",
     "workspace_diff": "legorl.grading.diff",
@@ -20,6 +21,7 @@ _EXPORTS = {
     "validate_tasks": "legorl.grading.validate",
 }
 __all__ = [
+    "empty_patch_report",
     "filter_diff",
     "filter_diff_detailed",
     "grade",

@@ -52,6 +52,21 @@ GRADER_ENV = {
 }
 
 
+EMPTY_PATCH_REASON = (
+    "empty patch: the agent changed nothing, so no tests ran (SWE-bench counts an empty patch as "
+    "unresolved too); the unchanged repository fails the task's FAIL_TO_PASS tests, which "
+    "`legorl tasks validate` checks"
+)
+
+
+def empty_patch_report(task: Task) -> GraderReport:
+    """The verdict on an empty diff without a grading sandbox: the pristine repository is what task
+    validation already graded, and it must fail. Most failed rollouts of a small policy change
+    nothing, so this saves a sandbox and a pytest run for each of them."""
+    return GraderReport(resolved=False, outcome=Outcome.UNRESOLVED, reason=EMPTY_PATCH_REASON,
+                        tests=dict.fromkeys(task.test_ids, "missing"))
+
+
 class _Stop(Exception):
     """Ends grading early with the report as it stands."""
 

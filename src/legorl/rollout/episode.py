@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.config import FaultsConfig
-from legorl.grading import grade, workspace_diff
+from legorl.grading import empty_patch_report, grade, workspace_diff
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
@@ -79,6 +79,8 @@ async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, pla
     try:
         if "grader_crash" in plan:
             raise InjectedFault("injected fault: the grader crashed")
+        if not diff.strip():
+            return empty_patch_report(task)
         return await grade(task, diff, work_dir=work_dir, timeout=ctx.grading_timeout, hide_paths=ctx.hide_paths)
     except Exception as e:  # a grader bug must not take the step down
         return GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR, reason=f"{type(e).__name__}: {e}")
