@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from legorl.config import load_config
-from legorl.models import load_tokenizer
+from legorl.models import load_model, load_tokenizer
 from legorl.pipeline import run_job
 from legorl.store import Store
 
@@ -63,10 +63,14 @@ def test_rl_starts_with_sft_second_moments_and_a_fresh_first_moment(toy_run):
     assert sum(float(m["exp_avg_sq"].sum()) for m in moments) > 0.0
 
 
-def test_checkpoint_loads_with_transformers(toy_run):
+def test_every_checkpoint_is_a_model_directory(toy_run):
     run_dir, _ = toy_run
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "latest")
     assert model.config.model_type == "qwen3"
+    # The warm start and each step's checkpoint load with their tokenizer (`legorl eval --model DIR`).
+    for name in ("sft", "step-00000", "latest"):
+        model, tok = load_model(run_dir / "checkpoints" / name)
+        assert tok.decode(tok.encode("def f(x):")) == "def f(x):", name
 
 
 def test_report_and_export_cli(toy_run):

@@ -359,10 +359,15 @@ class Driver:
         self.loggers.log(step, metrics)
         return StepResult(step, rollouts, metrics)
 
-    def save_checkpoint(self, step: int) -> Path:
-        path = self.run_dir / "checkpoints" / f"step-{step:05d}"
+    def save_checkpoint(self, step: int | None) -> Path:
+        """``checkpoints/step-NNNNN`` (``sft`` for the warm start): weights, optimiser and RNG to resume
+        from, and the tokenizer, so any checkpoint is a model directory for `legorl eval --model`."""
+        name = "sft" if step is None else f"step-{step:05d}"
+        path = self.run_dir / "checkpoints" / name
         self.trainer.save(path)
-        save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
+        self.tokenizer.save_pretrained(path)
+        if step is not None:
+            save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
         return path
 
     # ---- teacher demonstrations and SFT ----------------------------------------------------------
@@ -458,7 +463,7 @@ class Driver:
         if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
             demos = await self.collect_demos(self.cfg.sft.demos)
             summary["sft"] = await self.sft(demos)
-            await asyncio.to_thread(self.trainer.save, self.run_dir / "checkpoints" / "sft")
+            await asyncio.to_thread(self.save_checkpoint, None)
             save()
             console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
                           f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
