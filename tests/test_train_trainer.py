@@ -170,35 +170,6 @@ def test_entropy_bonus_trains_even_with_zero_advantages() -> None:
     assert m["train/skipped"] == 0.0 and m["train/entropy"] > h0
 
 
-def _with_slips(seq: TrainingSequence, positions: list[int]) -> TrainingSequence:
-    """The sampler drew the tokens at ``positions`` with probability 0.01, every other one with 0.9."""
-    lps = [0.0 if not m else (math.log(0.01) if i in positions else math.log(0.9))
-           for i, m in enumerate(seq.loss_mask)]
-    return TrainingSequence(seq.rollout_id, seq.token_ids, seq.loss_mask, lps, seq.advantage)
-
-
-def test_slip_penalty_pushes_down_only_a_failed_rollouts_unlikely_tokens() -> None:
-    model = tiny_model()
-    slips = [6, 9]
-    failed = _with_slips(sampled(model, [0.0])[0], slips)
-    kw = dict(lr=1e-2, temperature=TEMP, is_mode="none", loss_agg="seq-mean-token-mean")
-    # Under reinforce a lone failure trains nothing...
-    assert Trainer(model, **kw).train_step([failed])["train/skipped"] == 1.0
-    # ...with the slip penalty it lowers the two slipped tokens and nothing is asked of the others.
-    ids = torch.tensor([failed.token_ids])
-    before, _ = sequence_logprobs(model, ids, torch.ones_like(ids), TEMP)
-    m = Trainer(model, slip_penalty=1.0, **kw).train_step([failed])
-    assert m["train/skipped"] == 0.0 and m["train/slip_tokens"] == len(slips)
-    after, _ = sequence_logprobs(model, ids, torch.ones_like(ids), TEMP)
-    for pos in slips:  # logprobs[t] scores token t + 1
-        assert after[0, pos - 1] < before[0, pos - 1]
-    # A resolved rollout's unlikely tokens are not slips: the penalty changes nothing there.
-    won = _with_slips(sampled(tiny_model(), [1.0])[0], slips)
-    plain = grads_of(Trainer(tiny_model(), **kw), [won])
-    with_penalty = grads_of(Trainer(tiny_model(), slip_penalty=1.0, **kw), [won])
-    assert torch.equal(plain, with_penalty)
-
-
 # ---- schedule, checkpoints, staleness ----------------------------------------------------------
 
 

@@ -165,10 +165,6 @@ class TrainerConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial weights
     entropy_coef: float = Field(0.0, ge=0.0)
-    # A failed rollout's unlikely tokens (sampled with probability < slip_prob) get -slip_penalty
-    # more advantage: its slips, not the tokens it shares with successes (docs/training.md).
-    slip_penalty: float = Field(0.0, ge=0.0)
-    slip_prob: float = Field(0.1, gt=0.0, lt=1.0)
     routing_replay: Literal["off", "R2", "R3"] = "off"  # MoE: replay routed experts (docs/training.md)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)

@@ -88,8 +88,6 @@ class Trainer:
         autocast: str | None = None,
         gradient_checkpointing: bool = False,
         fsdp: bool | str = "auto",
-        slip_penalty: float = 0.0,
-        slip_prob: float = 0.1,
     ) -> None:
         if loss_agg not in LOSS_AGGS:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGGS}")
@@ -130,7 +128,6 @@ class Trainer:
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
         self.is_mode, self.token_mask, self.seq_mask = is_mode, token_mask, seq_mask
         self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
-        self.slip_penalty, self.slip_log_prob = slip_penalty, math.log(slip_prob)
         self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
         self.routing_replay = routing_replay
         self.micro_batch_tokens = micro_batch_tokens
@@ -247,8 +244,7 @@ class Trainer:
         Mismatch metrics compare the sampler's logprobs with the trainer's before any update.
         """
         n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
-        signal = (any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
-                  or (self.slip_penalty and any(s.advantage <= 0.0 for s in sequences)))
+        signal = any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
         skip = n_loss == 0 or not signal
         minis = mini_batches(sequences, self.mini_batches)
         n_updates = self.ppo_epochs * len(minis)
@@ -285,8 +281,6 @@ class Trainer:
                 "train/nonfinite_grad": float(n_updates - n_ok),
                 "train/updates": float(n_ok),
             }
-            if self.slip_penalty:
-                metrics["train/slip_tokens"] = st.slips / n_updates
         else:
             self.optimizer.zero_grad(set_to_none=True)
             metrics["train/updates"] = 0.0
@@ -319,19 +313,6 @@ class Trainer:
                 weights[i] = w
         return weights
 
-    def _token_advantages(self, mb: Micro, st: _Step) -> Tensor:
-        """The sequences' advantages, per token when ``slip_penalty`` is set: in a rollout that earned
-        nothing (advantage <= 0), each token the sampler drew with probability below ``slip_prob``
-        loses ``slip_penalty`` more. A small policy's failures at temperature 1 are mostly slips (a
-        garbled path or command after one unlikely token) while its successes almost never hold
-        such a token; the tokens a failure shares with the successes keep their advantage."""
-        if not self.slip_penalty:
-            return mb.advantages
-        slips = mb.mask & (mb.rollout_logp < self.slip_log_prob) & (mb.advantages <= 0.0).unsqueeze(-1)
-        st.slips += int(slips.sum())
-        adv = mb.advantages.unsqueeze(-1).expand_as(mb.rollout_logp)
-        return adv - self.slip_penalty * slips.to(adv.dtype)
-
     def _update_micro(self, mb: Micro, weights: list[float], st: _Step, last: bool) -> float:
         """Forward with grad over one micro-batch, backward, gather metrics; returns its loss."""
         routes = self._forward_routes(mb, st.decoupled)
@@ -348,7 +329,7 @@ class Trainer:
                 cur,
                 old,
                 mb.rollout_logp,
-                self._token_advantages(mb, st),
+                mb.advantages,
                 self.clip_low,
                 self.clip_high,
                 correction=corr,
@@ -493,7 +474,6 @@ class _Step:
 
     def __init__(self, decoupled: bool) -> None:
         self.decoupled = decoupled
-        self.slips = 0  # loss tokens given the slip penalty (counted on each update)
         self.corrections: dict[int, ISCorrection] = {}
         self.old: dict[str, list[Tensor]] = {
             k: [] for k in ("old", "roll", "ent", "w", "trunc", "kept", "kl_ref")
