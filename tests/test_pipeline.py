@@ -69,7 +69,7 @@ def test_every_checkpoint_is_a_model_directory(toy_run):
     assert model.config.model_type == "qwen3"
     # The warm start and each step's checkpoint load with their tokenizer (`legorl eval --model DIR`).
     for name in ("sft", "step-00000", "latest"):
-        model, tok = load_model(run_dir / "checkpoints" / name)
+        _, tok = load_model(run_dir / "checkpoints" / name)
         assert tok.decode(tok.encode("def f(x):")) == "def f(x):", name
 
 

@@ -352,22 +352,21 @@ class Driver:
         metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
                         "time/step_s": time.time() - t0, "weight_version": float(version)})
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
-            await asyncio.to_thread(self.save_checkpoint, step)
+            await asyncio.to_thread(self.save_checkpoint, f"step-{step:05d}")
         metrics.update(self.alarms.metrics(self.alarms.update(step, metrics, rollouts)))
         self.store.add_trained(step, trained)
         self.store.add_step(step, metrics)  # after the checkpoint: a recorded step is never redone
         self.loggers.log(step, metrics)
         return StepResult(step, rollouts, metrics)
 
-    def save_checkpoint(self, step: int | None) -> Path:
-        """``checkpoints/step-NNNNN`` (``sft`` for the warm start): weights, optimiser and RNG to resume
-        from, and the tokenizer, so any checkpoint is a model directory for `legorl eval --model`."""
-        name = "sft" if step is None else f"step-{step:05d}"
+    def save_checkpoint(self, name: str) -> Path:
+        """``checkpoints/NAME`` (``step-NNNNN``, or ``sft`` for the warm start): weights, optimiser and
+        RNG to resume from, and the tokenizer, so any checkpoint is a model directory for
+        `legorl eval --model`; ``latest`` always holds the newest weights."""
         path = self.run_dir / "checkpoints" / name
         self.trainer.save(path)
         self.tokenizer.save_pretrained(path)
-        if step is not None:
-            save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
+        save_model(self.trainer.model, self.tokenizer, self.run_dir / "checkpoints" / "latest")
         return path
 
     # ---- teacher demonstrations and SFT ----------------------------------------------------------
@@ -463,7 +462,7 @@ class Driver:
         if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
             demos = await self.collect_demos(self.cfg.sft.demos)
             summary["sft"] = await self.sft(demos)
-            await asyncio.to_thread(self.save_checkpoint, None)
+            await asyncio.to_thread(self.save_checkpoint, "sft")
             save()
             console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
                           f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
