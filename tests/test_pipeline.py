@@ -22,7 +22,7 @@ def toy_run(tmp_path_factory, cache_dir):
         f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
         "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=3",
         "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
-        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
+        "sft.enabled=true", "sft.demos=2", "sft.epochs=1.5", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
         "eval.before_training=true", "rollout.prioritize=true",
         "eval.after_training=true",
     ])
@@ -35,8 +35,9 @@ def test_every_stage_produced_records(toy_run):
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["steps"] == 1 and on_disk["wall_time_s"] > 0
     assert on_disk["sft"]["sft/demos_resolved"] == 2  # the teacher solved both through mini-swe-agent
-    # cosine over the warm start's 2 updates: the second runs at half the lr
-    assert on_disk["sft"]["sft/sequences"] == 2 and on_disk["sft"]["sft/last_lr"] == pytest.approx(0.5e-3)
+    # 1.5 epochs of 2 sequences in batches of 1 are 3 updates; cosine over them, the last at 1/4 of the lr
+    assert on_disk["sft"]["sft/sequences"] == 2 and on_disk["sft"]["sft/updates"] == 3
+    assert on_disk["sft"]["sft/last_lr"] == pytest.approx(0.25e-3)
     assert on_disk["heldout_pass_at_1_before_rl"] is not None
     assert on_disk["heldout_pass_at_1_after_rl"] is not None
 

@@ -393,17 +393,20 @@ class Driver:
         if not seqs:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
         n_batches = -(-len(seqs) // c.batch_sequences)
-        schedule = LRSchedule(c.lr_schedule, 0, max(1, c.epochs * n_batches))
+        total = round(c.epochs * n_batches)  # a fractional epoch ends part-way through a shuffled pass
+        schedule = LRSchedule(c.lr_schedule, 0, max(1, total))
         rng = random.Random(self.cfg.run.seed)
         losses: list[float] = []
         lr = c.lr
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
-            bar = progress.add_task("sft", total=c.epochs * n_batches, loss="")
-            for _ in range(c.epochs):
+            bar = progress.add_task("sft", total=total, loss="")
+            while len(losses) < total:
                 rng.shuffle(seqs)
                 for i in range(0, len(seqs), c.batch_sequences):
+                    if len(losses) == total:
+                        break
                     lr = c.lr * schedule.factor(len(losses))
                     for group in self.trainer.optimizer.param_groups:
                         group["lr"] = lr
@@ -422,7 +425,7 @@ class Driver:
                 state.clear()
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
-        return {"sft/sequences": float(len(seqs)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
+        return {"sft/sequences": float(len(seqs)), "sft/updates": float(len(losses)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
                 "sft/last_lr": lr, "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
 
     # ---- evaluation -------------------------------------------------------------------------------
