@@ -394,6 +394,9 @@ class Driver:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
         n_batches = -(-len(seqs) // c.batch_sequences)
         total = round(c.epochs * n_batches)  # a fractional epoch ends part-way through a shuffled pass
+        if total == 0:
+            raise ValueError(f"sft.epochs={c.epochs} is no update over {n_batches} batches of demonstrations; "
+                             "raise sft.epochs or set sft.enabled=false")
         schedule = LRSchedule(c.lr_schedule, 0, max(1, total))
         rng = random.Random(self.cfg.run.seed)
         losses: list[float] = []
@@ -425,8 +428,8 @@ class Driver:
                 state.clear()
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
-        return {"sft/sequences": float(len(seqs)), "sft/updates": float(len(losses)), "sft/first_loss": losses[0], "sft/last_loss": losses[-1],
-                "sft/last_lr": lr, "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
+        return {"sft/sequences": float(len(seqs)), "sft/updates": float(len(losses)), "sft/first_loss": losses[0],
+                "sft/last_loss": losses[-1], "sft/last_lr": lr, "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
 
     # ---- evaluation -------------------------------------------------------------------------------
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
