@@ -183,7 +183,7 @@ class SFTConfig(_Section):
     teacher_url: str | None = None  # upstream: base URL, e.g. https://host/v1
     teacher_model: str | None = None  # upstream: the model name the endpoint serves
     demos: int = Field(32, ge=0)  # teacher episodes (train-split tasks, cycled)
-    epochs: float = Field(2, ge=0)  # passes over the demonstrations; 4.5 stops half-way through the fifth
+    epochs: float = Field(2, gt=0)  # passes over the demonstrations; 4.5 stops half-way through the fifth
     lr: float = Field(1e-3, ge=0.0)
     # cosine: the lr falls from `lr` to 0 over the warm start. It learns less per epoch than
     # constant (on the demo, 5 cosine epochs left a policy solving ~1%; BENCHMARKS.md).

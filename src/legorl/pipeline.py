@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,30 +393,30 @@ class Driver:
                 for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True)]
         if not seqs:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
-        n_batches = -(-len(seqs) // c.batch_sequences)
-        total = round(c.epochs * n_batches)  # a fractional epoch ends part-way through a shuffled pass
-        if total == 0:
-            raise ValueError(f"sft.epochs={c.epochs} is no update over {n_batches} batches of demonstrations; "
-                             "raise sft.epochs or set sft.enabled=false")
-        schedule = LRSchedule(c.lr_schedule, 0, max(1, total))
+        # A fractional epoch ends part-way through a shuffled pass; any positive epochs make an update.
+        total = max(1, round(c.epochs * -(-len(seqs) // c.batch_sequences)))
+        schedule = LRSchedule(c.lr_schedule, 0, total)
         rng = random.Random(self.cfg.run.seed)
+
+        def batches() -> Iterator[list[TrainingSequence]]:
+            while True:
+                rng.shuffle(seqs)
+                for i in range(0, len(seqs), c.batch_sequences):
+                    yield seqs[i:i + c.batch_sequences]
+
         losses: list[float] = []
         lr = c.lr
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
             bar = progress.add_task("sft", total=total, loss="")
-            while len(losses) < total:
-                rng.shuffle(seqs)
-                for i in range(0, len(seqs), c.batch_sequences):
-                    if len(losses) == total:
-                        break
-                    lr = c.lr * schedule.factor(len(losses))
-                    for group in self.trainer.optimizer.param_groups:
-                        group["lr"] = lr
-                    m = await asyncio.to_thread(self.trainer.sft_step, seqs[i:i + c.batch_sequences])
-                    losses.append(m["sft/loss"])
-                    progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
+            for batch in itertools.islice(batches(), total):
+                lr = c.lr * schedule.factor(len(losses))
+                for group in self.trainer.optimizer.param_groups:
+                    group["lr"] = lr
+                m = await asyncio.to_thread(self.trainer.sft_step, batch)
+                losses.append(m["sft/loss"])
+                progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
         # RL gets a fresh first moment. Keeping the second one makes an RL update's size follow its
@@ -428,8 +429,9 @@ class Driver:
                 state.clear()
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
-        return {"sft/sequences": float(len(seqs)), "sft/updates": float(len(losses)), "sft/first_loss": losses[0],
-                "sft/last_loss": losses[-1], "sft/last_lr": lr, "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
+        return {"sft/sequences": float(len(seqs)), "sft/updates": float(total), "sft/first_loss": losses[0],
+                "sft/last_loss": losses[-1], "sft/last_lr": lr,
+                "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
 
     # ---- evaluation -------------------------------------------------------------------------------
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
