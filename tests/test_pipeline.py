@@ -89,3 +89,24 @@ def test_report_and_export_cli(toy_run):
     assert len(lines) == rep["llm_calls"]
     first = json.loads(lines[0])
     assert len(first["completion_ids"]) == len(first["completion_logprobs"])
+
+
+def test_a_finished_run_continues_to_more_steps(toy_run, tmp_path):
+    """`legorl train --resume COPY run.steps=N` extends a finished run: no new demos or SFT, the
+    before-RL evaluation kept, RL resumed after its last step, and the after-RL evaluation redone."""
+    import shutil
+
+    run_dir, summary = toy_run
+    copy = tmp_path / "continued"
+    shutil.copytree(run_dir, copy)
+    cfg = load_config(copy / "config.json", ["run.steps=2"])
+    continued = asyncio.run(run_job(cfg, copy, resume=True))
+
+    assert continued["steps"] == 2
+    assert continued["sft"] == summary["sft"] and continued["before_rl"] == summary["before_rl"]
+    assert continued["heldout_pass_at_1_after_rl"] is not None
+    store = Store(copy / "store.sqlite")
+    assert store.last_step() == 1
+    assert len(store.rollouts(split="demo")) == 2  # the teacher was not run again
+    eval_steps = {r.step for r in store.rollouts(split="eval-heldout")}
+    assert eval_steps == {-1, 1, 2}  # before RL, after the first run's step, after the continuation
