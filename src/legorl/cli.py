@@ -35,8 +35,8 @@ def train(
     = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where the store, logs and checkpoints go")]
     = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="continue a killed run from its directory")]
-    = None,
+    resume: Annotated[Path | None, typer.Option(
+        "--resume", help="continue a killed run, or extend a finished one (run.steps=N)")] = None,
 ) -> None:
     """Run the job (demos, SFT, RL steps, evals as configured). Extra arguments are dotted overrides."""
     if resume is not None:
