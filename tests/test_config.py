@@ -37,7 +37,6 @@ def test_bad_value_names_key_and_type():
     assert "'rollout.group_size'" in msg and "integer" in msg and "\n" not in msg
 
 
-
 def test_sft_epochs_take_fractions_but_not_zero():
     assert load_config(None, ["sft.epochs=4.5"]).sft.epochs == 4.5
     with pytest.raises(ConfigError) as e:  # refused before any demonstration is collected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 import torch
@@ -94,8 +95,6 @@ def test_report_and_export_cli(toy_run):
 def test_a_finished_run_continues_to_more_steps(toy_run, tmp_path):
     """`legorl train --resume COPY run.steps=N` extends a finished run: no new demos or SFT, the
     before-RL evaluation kept, RL resumed after its last step, and the after-RL evaluation redone."""
-    import shutil
-
     run_dir, summary = toy_run
     copy = tmp_path / "continued"
     shutil.copytree(run_dir, copy)

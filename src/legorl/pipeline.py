@@ -394,7 +394,8 @@ class Driver:
         if not seqs:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
         # A fractional epoch ends part-way through a shuffled pass; any positive epochs make an update.
-        total = max(1, round(c.epochs * -(-len(seqs) // c.batch_sequences)))
+        batches_per_epoch = -(-len(seqs) // c.batch_sequences)
+        total = max(1, round(c.epochs * batches_per_epoch))
         schedule = LRSchedule(c.lr_schedule, 0, total)
         rng = random.Random(self.cfg.run.seed)
 
