@@ -192,6 +192,11 @@ class SFTConfig(_Section):
     # RL keeps the optimizer's second moments from SFT, so an update is as large as its gradient
     # warrants; false: RL starts from fresh Adam moments (sign-like first steps of size lr).
     keep_second_moments: bool = True
+    # Scripted teacher only. check_edits: each edit ends with `&& git diff --stat`, so the episode
+    # shows whether it changed anything. recovery_demos: this fraction of the demonstrations first
+    # makes an edit that changes nothing (not trained on), sees the empty check and redoes it.
+    check_edits: bool = False
+    recovery_demos: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class EvalConfig(_Section):

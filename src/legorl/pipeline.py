@@ -53,6 +53,7 @@ from legorl.sandbox import reap_orphans
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits
 from legorl.tasks.loaders import load_tasks as load_task_spec
+from legorl.tasks.teacher import Slip, scripted_teacher
 from legorl.train.advantages import group_advantages
 from legorl.train.schedule import LRSchedule
 from legorl.train.sequences import build_sequences, merge_stats
@@ -386,11 +387,21 @@ class Driver:
             await teacher.close()
         return demos
 
+    def teacher_slips(self, demos: list[Rollout]) -> dict[str, set[int]]:
+        """Per demonstration, the calls where the scripted teacher slipped on purpose (not trained on)."""
+        c = self.cfg.sft
+        if c.teacher != "scripted" or not c.recovery_demos:
+            return {}
+        script, tasks = scripted_teacher(c.check_edits, c.recovery_demos), {t.instance_id: t for t in self.train_tasks}
+        return {r.id: {i for i, turn in enumerate(script(tasks[r.task_id])) if isinstance(turn, Slip)}
+                for r in demos if r.task_id in tasks}
+
     async def sft(self, demos: list[Rollout]) -> dict[str, float]:
         """Supervised warm start on the resolved demonstrations, then sync the engine."""
         c = self.cfg.sft
+        slips = self.teacher_slips(demos)
         seqs = [q for r in demos if r.outcome == Outcome.RESOLVED
-                for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True)]
+                for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True, untrained=slips.get(r.id, ()))]
         if not seqs:
             raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
         # A fractional epoch ends part-way through a shuffled pass; any positive epochs make an update.

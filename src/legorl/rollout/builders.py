@@ -61,13 +61,13 @@ def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task], li
     """The SFT teacher engine and, for the scripted teacher, the script it plays per task."""
     from legorl.engine.scripted import ScriptedEngine
     from legorl.engine.upstream import UpstreamEngine
-    from legorl.tasks.teacher import teacher_script
+    from legorl.tasks.teacher import scripted_teacher
 
     if c.teacher == "upstream":
         if not (c.teacher_url and c.teacher_model):
             raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
         return UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer), None
-    return ScriptedEngine(tokenizer), teacher_script
+    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos)
 
 
 def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:

@@ -8,13 +8,20 @@ for a tool call, so the recorded tokens are what the policy should learn to emit
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from legorl.models.tokenizer import render_tool_call_text
 from legorl.tasks.schema import Task
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+CHECK = " && git diff --stat"  # what an edit changed: one line per file, nothing when it missed
+
+
+class Slip(str):
+    """A teacher turn that shows a mistake to recover from: played to the harness, never trained on."""
 
 
 @dataclass
@@ -91,13 +98,28 @@ def sed_command(edit: LineEdit, line: int | None = None, source: str = "") -> st
     old, new = edit.old.strip(), edit.new.strip()
     if source and not line:
         old, new = minimal_replacement(source, edit.old, edit.new)
-    old, new = _sed_escape(old, False), _sed_escape(new, True)
-    script = f"{line or ''}s|{old}|{new}|"
+    return _sed(f"{line or ''}s|{_sed_escape(old, False)}|{_sed_escape(new, True)}|", edit.path)
+
+
+def _sed(script: str, path: str) -> str:
     if "'" in script and not _DOUBLE_QUOTE_SPECIAL.search(script):
         # `s|'min'|'h': 3600, 'min'|` reads as it is in double quotes; in single quotes each ' becomes
         # '\'' -- four times the characters for the small model to copy exactly.
-        return f'sed -i "{script}" {edit.path}'
-    return "sed -i '" + script.replace("'", "'\\''") + f"' {edit.path}"
+        return f'sed -i "{script}" {path}'
+    return "sed -i '" + script.replace("'", "'\\''") + f"' {path}"
+
+
+def slipped_sed(task: Task, edit: LineEdit) -> str | None:
+    """The fix written backwards (`s|new|old|`), when that changes nothing in the buggy file, else None.
+
+    It is the kind of slip the small policy makes most: a pattern that is not in the file, so sed
+    succeeds and nothing changes.
+    """
+    source = task.files.get(edit.path, "")
+    old, new = minimal_replacement(source, edit.old, edit.new)
+    if new in source or not new.strip():
+        return None
+    return _sed(f"s|{_sed_escape(new, False)}|{_sed_escape(old, True)}|", edit.path)
 
 
 def edited_line(task: Task, edit: LineEdit) -> int | None:
@@ -127,7 +149,8 @@ def source_files(task: Task) -> list[str]:
                   if path.endswith(".py") and "tests" not in path.split("/")[:-1] and "def " in text)
 
 
-def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> list[str]:
+def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, check_edits: bool = False,
+                   slip: bool = False) -> list[str]:
     """Assistant turns for one episode: read the function's file, fix the line, submit.
 
     The file is found inside each command, so the agent never copies a path out of earlier output:
@@ -137,16 +160,33 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False) -> l
     it to copy an identifier out of the problem statement.
     solve=False reads and submits without fixing. run_tests adds a `pytest` turn before submitting
     (off by default: its output makes episodes much longer for the small embedded model).
+    check_edits ends each edit with `&& git diff --stat`, so the episode shows whether it changed
+    anything. slip (with check_edits) first makes an edit that changes nothing, as a `Slip` turn,
+    then sees the empty check and makes the right edit: a recovery the policy can learn to repeat.
     """
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
     where = SOURCES if source_files(task) == [edit.path] else f"$(grep -rl 'def {function_name(task, edit)}' .)"
     read = f"nl -ba {where}" if line else f"cat {where}"  # line numbers when the fix needs one
+    check = CHECK if check_edits else ""
     turns = [_turn("Let me read the function.", read)]
     if solve:
         fix = sed_command(edit, line, task.files.get(edit.path, "")).replace(f" {edit.path}", f" {where}")
-        turns.append(_turn("This line is wrong. Let me fix it.", fix))
+        missed = slipped_sed(task, edit) if slip and check_edits and not line else None
+        if missed:
+            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed.replace(f" {edit.path}", f" {where}") + check)))
+            turns.append(_turn("That changed nothing. Let me fix it again.", fix + check))
+        else:
+            turns.append(_turn("This line is wrong. Let me fix it.", fix + check))
         if run_tests:
             turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
     turns.append(_turn("Done. Let me submit.", SUBMIT))
     return turns
+
+
+def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task], list[str]]:
+    """The script the scripted engine plays per task; `recovery` of the tasks (drawn by task id) slip first."""
+    def script(task: Task) -> list[str]:
+        slip = recovery > 0 and random.Random(f"slip:{task.instance_id}").random() < recovery
+        return teacher_script(task, check_edits=check_edits, slip=slip)
+    return script

@@ -13,6 +13,7 @@ into their own chains instead of restarting from scratch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from legorl.records import LLMCall, Rollout, TrainingSequence
@@ -76,11 +77,13 @@ def build_sequences(
     calls: list[LLMCall],
     advantage: float,
     include_unsampled: bool = False,
+    untrained: Collection[int] = (),
 ) -> list[TrainingSequence]:
     """Merge a rollout's calls into token-exact sequences.
 
     Loss mask is 1 on completion tokens of calls sampled from the policy (and, with
-    ``include_unsampled`` for SFT, of every call); prompt and bridging tokens get 0.
+    ``include_unsampled`` for SFT, of every call but those in ``untrained``: a teacher's deliberate
+    slips); prompt and bridging tokens get 0.
     Rollout logprobs are aligned to token_ids and 0.0 where the mask is 0.
     Sequences without any loss token are dropped (they carry no signal).
     """
@@ -88,7 +91,7 @@ def build_sequences(
     owner: dict[int, _Open] = {}  # call index -> the sequence that holds it
     for call in sorted(calls, key=lambda c: c.index):
         _check(call)
-        trained = call.sampled_from_policy or include_unsampled
+        trained = (call.sampled_from_policy or include_unsampled) and call.index not in untrained
         n_c = len(call.completion_ids)
         c_mask = [1 if trained else 0] * n_c
         c_lp = [float(x) for x in call.completion_logprobs] if trained else [0.0] * n_c
