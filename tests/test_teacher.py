@@ -45,3 +45,49 @@ def test_teacher_quotes_a_script_with_single_quotes_in_double_quotes():
     for task in missing:
         fix = teacher_script(task)[1]
         assert 'sed -i \\"s|' in fix and "'\\\\''" not in fix, fix
+
+
+def _command(turn: str) -> str:
+    return json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", turn, re.DOTALL).group(1))["arguments"]["command"]
+
+
+def test_a_recovery_demonstration_slips_sees_no_change_and_then_fixes(tmp_path):
+    """The slip's sed changes nothing (its check prints nothing); the redo makes the gold fix and says so."""
+    from legorl.tasks.teacher import CHECK, Slip
+
+    slipping = [t for t in TASKS if any(isinstance(turn, Slip) for turn in teacher_script(t, check_edits=True, slip=True))]
+    assert len(slipping) >= len(TASKS) // 2, "most built-in tasks have an edit that can be written backwards"
+    for i, task in enumerate(slipping[:8]):
+        repo = tmp_path / str(i)
+        for path, text in task.files.items():
+            (repo / path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / path).write_text(text)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+        subprocess.run(git + ["add", "-A"], cwd=repo, check=True)
+        subprocess.run(git + ["commit", "-qm", "buggy"], cwd=repo, check=True)
+        read, slip, redo, submit = teacher_script(task, check_edits=True, slip=True)
+        assert isinstance(slip, Slip) and not isinstance(redo, Slip)
+        assert _command(slip).endswith(CHECK) and _command(redo).endswith(CHECK)
+        assert subprocess.run(["bash", "-c", _command(slip)], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout == ""
+        out = subprocess.run(["bash", "-c", _command(redo)], cwd=repo, capture_output=True, text=True, check=True).stdout
+        assert "1 file changed" in out, out
+        edit = gold_line_edit(task.patch)
+        fixed = subprocess.run(["git", "apply", "--cached", "-"], input=task.patch, text=True, cwd=repo)
+        assert fixed.returncode == 0
+        gold = subprocess.run(["git", "show", f":{edit.path}"], cwd=repo, capture_output=True, text=True).stdout
+        assert (repo / edit.path).read_text() == gold
+
+
+def test_scripted_teacher_slips_on_the_requested_share_of_tasks():
+    from legorl.tasks.teacher import Slip, scripted_teacher
+
+    tasks = builtin_splits(400, 0, seed=5)[0]
+    assert not any(isinstance(turn, Slip) for t in tasks for turn in scripted_teacher(check_edits=True)(t))
+    script = scripted_teacher(check_edits=True, recovery=0.5)
+    share = sum(any(isinstance(turn, Slip) for turn in script(t)) for t in tasks) / len(tasks)
+    slippable = sum(any(isinstance(turn, Slip) for turn in teacher_script(t, check_edits=True, slip=True))
+                    for t in tasks) / len(tasks)
+    assert 0.35 * slippable < share < 0.65 * slippable
+    assert script(tasks[0]) == script(tasks[0])  # drawn by task id: the same on every call and resume

@@ -441,3 +441,13 @@ def test_save_load_round_trip(tmp_path) -> None:
     m1, m2 = tr.train_step(seqs), other.train_step(seqs)
     assert m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-6)
     assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_untrained_calls_stay_in_the_sequence_without_loss():
+    """A teacher's deliberate slip is context for the turns after it, never a target."""
+    calls = [_call(0, [1, 2], [3, 4]), _call(1, [1, 2, 3, 4, 5], [6, 7], 0), _call(2, [1, 2, 3, 4, 5, 6, 7, 8], [9], 1)]
+    for c in calls:
+        c.sampled_from_policy = False
+    (seq,) = build_sequences("r1", calls, 1.0, include_unsampled=True, untrained={1})
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert seq.loss_mask == [0, 0, 1, 1, 0, 0, 0, 0, 1]
