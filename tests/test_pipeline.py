@@ -21,10 +21,10 @@ def toy_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("toy-run")
     cfg = load_config(None, [
         f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
-        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=3",
+        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=4",
         "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
         "sft.enabled=true", "sft.demos=2", "sft.epochs=1.5", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
-        "eval.before_training=true", "rollout.prioritize=true",
+        "eval.before_training=true", "rollout.prioritize=true", "sft.check_edits=true", "sft.recovery_demos=1.0",
         "eval.after_training=true",
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
@@ -37,6 +37,7 @@ def test_every_stage_produced_records(toy_run):
     assert on_disk["steps"] == 1 and on_disk["wall_time_s"] > 0
     assert on_disk["sft"]["sft/demos_resolved"] == 2  # the teacher solved both through mini-swe-agent
     # 1.5 epochs of 2 sequences in batches of 1 are 3 updates; cosine over them, the last at 1/4 of the lr
+    assert on_disk["sft"]["sft/slips"] == 2  # the slipped turns were left out of the loss
     assert on_disk["sft"]["sft/sequences"] == 2 and on_disk["sft"]["sft/updates"] == 3
     assert on_disk["sft"]["sft/last_lr"] == pytest.approx(0.25e-3)
     assert on_disk["heldout_pass_at_1_before_rl"] is not None
@@ -45,6 +46,9 @@ def test_every_stage_produced_records(toy_run):
     store = Store(run_dir / "store.sqlite")
     splits = {r.split for r in store.rollouts()}
     assert {"demo", "train", "eval-heldout"} <= splits
+    for demo in store.rollouts(split="demo"):  # both toy tasks slip: edit backwards, see no change, fix
+        texts = [c.completion_text for c in store.calls_for(demo.id)]
+        assert len(texts) == 4 and texts[2].startswith("That changed nothing") and "git diff --stat" in texts[1]
     train = store.rollouts(split="train")
     assert len(train) == 2 and all(r.outcome is not None for r in train)
     assert store.last_step() == 0

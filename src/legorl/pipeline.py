@@ -443,7 +443,8 @@ class Driver:
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
         return {"sft/sequences": float(len(seqs)), "sft/updates": float(total), "sft/first_loss": losses[0],
                 "sft/last_loss": losses[-1], "sft/last_lr": lr,
-                "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos))}
+                "sft/demos_resolved": float(sum(r.outcome == Outcome.RESOLVED for r in demos)),
+                "sft/slips": float(sum(len(slips.get(r.id, ())) for r in demos if r.outcome == Outcome.RESOLVED))}
 
     # ---- evaluation -------------------------------------------------------------------------------
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
