@@ -154,7 +154,7 @@ class TrainerConfig(_Section):
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.28, ge=0.0)
     tis_cap: float | None = 2.0
-    advantage: Literal["grpo", "rloo", "drgrpo", "reinforce"] = "grpo"
+    advantage: Literal["grpo", "rloo", "rloo-positive", "drgrpo", "reinforce"] = "grpo"
     normalize_std: bool = False
     micro_batch_tokens: int = Field(4096, gt=0)
     ppo_epochs: int = Field(1, gt=0)  # updates per batch; >1 keeps rollout/old/current policies apart

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-METHODS = ("grpo", "drgrpo", "rloo", "reinforce")
+METHODS = ("grpo", "drgrpo", "rloo", "rloo-positive", "reinforce")
 
 
 def group_advantages(
@@ -22,6 +22,9 @@ def group_advantages(
     - grpo: r - mean(valid); with normalize_std, divided by (std + eps) (population std).
     - drgrpo: grpo without std normalisation (normalize_std is ignored).
     - rloo: r - mean of the other valid rewards of the group.
+    - rloo-positive: rloo with negative advantages set to 0. Only successes train, each weighted
+      by the share of its group that failed: no push-down of what failures share with successes
+      (as reinforce), and no updates on tasks every sample already solves.
     - reinforce: r, no baseline. With 0/1 rewards only resolved rollouts train: the update is SFT
       on the policy's own successes (expert iteration), and it never pushes down the tokens a
       failed rollout shares with successful ones.
@@ -44,8 +47,10 @@ def group_advantages(
             out.append(None)
             continue
         r = float(r)
-        if method == "rloo":
+        if method in ("rloo", "rloo-positive"):
             adv = r - (total - r) / (n - 1)
+            if method == "rloo-positive":
+                adv = max(adv, 0.0)
         else:
             adv = r - mean
         if normalize_std and method != "drgrpo":
