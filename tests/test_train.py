@@ -451,3 +451,12 @@ def test_untrained_calls_stay_in_the_sequence_without_loss():
     (seq,) = build_sequences("r1", calls, 1.0, include_unsampled=True, untrained={1})
     assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert seq.loss_mask == [0, 0, 1, 1, 0, 0, 0, 0, 1]
+
+
+def test_rloo_positive_trains_only_successes_of_mixed_groups() -> None:
+    # a success weighs the share of the others that failed; failures and all-solved groups weigh 0
+    assert group_advantages([1.0, 0.0, 0.0, None], "rloo-positive") == pytest.approx([1.0, 0.0, 0.0, None])
+    assert group_advantages([1.0, 1.0, 0.0], "rloo-positive") == pytest.approx([0.5, 0.5, 0.0])
+    assert group_advantages([1.0, 1.0], "rloo-positive") == [0.0, 0.0]
+    from legorl.train.advantages import carries_signal
+    assert not carries_signal([1.0, 1.0], "rloo-positive") and carries_signal([1.0, 0.0], "rloo-positive")
