@@ -80,3 +80,11 @@ def test_empty_rl_task_pool_fails_before_anything_starts(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert "rollout.task_pool" in p.stderr and "tasks.n_train" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r" / "store.sqlite").exists()
+
+
+def test_teacher_switches_are_refused_where_they_would_do_nothing():
+    assert load_config(None, ["sft.check_edits=true", "sft.recovery_demos=0.5"]).sft.recovery_demos == 0.5
+    with pytest.raises(ConfigError, match="needs sft.check_edits"):
+        load_config(None, ["sft.recovery_demos=0.5"])
+    with pytest.raises(ConfigError, match="scripted teacher"):
+        load_config(None, ["sft.teacher=upstream", "sft.check_edits=true"])

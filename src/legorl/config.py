@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from legorl.monitor.config import MonitorConfig
 
@@ -197,6 +197,15 @@ class SFTConfig(_Section):
     # makes an edit that changes nothing (not trained on), sees the empty check and redoes it.
     check_edits: bool = False
     recovery_demos: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _scripted_switches(self) -> SFTConfig:
+        if self.recovery_demos and not self.check_edits:
+            raise ValueError("sft.recovery_demos needs sft.check_edits: true (a slip is seen only by the check)")
+        if self.teacher != "scripted" and (self.check_edits or self.recovery_demos):
+            raise ValueError("sft.check_edits and sft.recovery_demos shape the scripted teacher's episodes; "
+                             "an upstream teacher writes its own")
+        return self
 
 
 class EvalConfig(_Section):
