@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from legorl.tasks import builtin_splits
-from legorl.tasks.teacher import gold_line_edit, teacher_script
+from legorl.tasks.teacher import CHECK, Slip, gold_line_edit, scripted_teacher, teacher_script
 
 TASKS = builtin_splits(48, 0, seed=3)[0]
 
@@ -53,8 +53,6 @@ def _command(turn: str) -> str:
 
 def test_a_recovery_demonstration_slips_sees_no_change_and_then_fixes(tmp_path):
     """The slip's sed changes nothing (its check prints nothing); the redo makes the gold fix and says so."""
-    from legorl.tasks.teacher import CHECK, Slip
-
     slipping = [t for t in TASKS if any(isinstance(turn, Slip) for turn in teacher_script(t, check_edits=True, slip=True))]
     assert len(slipping) >= len(TASKS) // 2, "most built-in tasks have an edit that can be written backwards"
     for i, task in enumerate(slipping[:8]):
@@ -81,8 +79,6 @@ def test_a_recovery_demonstration_slips_sees_no_change_and_then_fixes(tmp_path):
 
 
 def test_scripted_teacher_slips_on_the_requested_share_of_tasks():
-    from legorl.tasks.teacher import Slip, scripted_teacher
-
     tasks = builtin_splits(400, 0, seed=5)[0]
     assert not any(isinstance(turn, Slip) for t in tasks for turn in scripted_teacher(check_edits=True)(t))
     script = scripted_teacher(check_edits=True, recovery=0.5)

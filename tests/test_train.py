@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_qwen3
 
 from legorl.records import LLMCall, Rollout, TrainingSequence
-from legorl.train.advantages import group_advantages
+from legorl.train.advantages import carries_signal, group_advantages
 from legorl.train.logprobs import sequence_logprobs
 from legorl.train.losses import aggregate, policy_loss
 from legorl.train.sequences import build_batch, build_sequences, merge_stats
@@ -458,5 +458,4 @@ def test_rloo_positive_trains_only_successes_of_mixed_groups() -> None:
     assert group_advantages([1.0, 0.0, 0.0, None], "rloo-positive") == pytest.approx([1.0, 0.0, 0.0, None])
     assert group_advantages([1.0, 1.0, 0.0], "rloo-positive") == pytest.approx([0.5, 0.5, 0.0])
     assert group_advantages([1.0, 1.0], "rloo-positive") == [0.0, 0.0]
-    from legorl.train.advantages import carries_signal
     assert not carries_signal([1.0, 1.0], "rloo-positive") and carries_signal([1.0, 0.0], "rloo-positive")

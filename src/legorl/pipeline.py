@@ -390,7 +390,7 @@ class Driver:
     def teacher_slips(self, demos: list[Rollout]) -> dict[str, set[int]]:
         """Per demonstration, the calls where the scripted teacher slipped on purpose (not trained on)."""
         c = self.cfg.sft
-        if c.teacher != "scripted" or not c.recovery_demos:
+        if not c.recovery_demos:  # only the scripted teacher slips (the config refuses it for others)
             return {}
         script, tasks = scripted_teacher(c.check_edits, c.recovery_demos), {t.instance_id: t for t in self.train_tasks}
         return {r.id: {i for i, turn in enumerate(script(tasks[r.task_id])) if isinstance(turn, Slip)}

@@ -93,12 +93,12 @@ def minimal_replacement(source: str, old: str, new: str) -> tuple[str, str]:
     return old[start:end], new[start: len(new) - (len(old) - end)]
 
 
-def sed_command(edit: LineEdit, line: int | None = None, source: str = "") -> str:
-    """`sed -i 's|old|new|' path`, addressed to one line when the old text is not unique."""
+def sed_command(edit: LineEdit, line: int | None = None, source: str = "", path: str = "") -> str:
+    """`sed -i 's|old|new|' PATH` (the edit's path unless given), one line addressed if the old text repeats."""
     old, new = edit.old.strip(), edit.new.strip()
     if source and not line:
         old, new = minimal_replacement(source, edit.old, edit.new)
-    return _sed(f"{line or ''}s|{_sed_escape(old, False)}|{_sed_escape(new, True)}|", edit.path)
+    return _sed(f"{line or ''}s|{_sed_escape(old, False)}|{_sed_escape(new, True)}|", path or edit.path)
 
 
 def _sed(script: str, path: str) -> str:
@@ -109,7 +109,7 @@ def _sed(script: str, path: str) -> str:
     return "sed -i '" + script.replace("'", "'\\''") + f"' {path}"
 
 
-def slipped_sed(task: Task, edit: LineEdit) -> str | None:
+def slipped_sed(task: Task, edit: LineEdit, path: str) -> str | None:
     """The fix written backwards (`s|new|old|`), when that changes nothing in the buggy file, else None.
 
     It is the kind of slip the small policy makes most: a pattern that is not in the file, so sed
@@ -119,7 +119,7 @@ def slipped_sed(task: Task, edit: LineEdit) -> str | None:
     old, new = minimal_replacement(source, edit.old, edit.new)
     if new in source or not new.strip():
         return None
-    return _sed(f"s|{_sed_escape(new, False)}|{_sed_escape(old, True)}|", edit.path)
+    return _sed(f"s|{_sed_escape(new, False)}|{_sed_escape(old, True)}|", path)
 
 
 def edited_line(task: Task, edit: LineEdit) -> int | None:
@@ -171,10 +171,10 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     check = CHECK if check_edits else ""
     turns = [_turn("Let me read the function.", read)]
     if solve:
-        fix = sed_command(edit, line, task.files.get(edit.path, "")).replace(f" {edit.path}", f" {where}")
-        missed = slipped_sed(task, edit) if slip and check_edits and not line else None
+        fix = sed_command(edit, line, task.files.get(edit.path, ""), where)
+        missed = slipped_sed(task, edit, where) if slip and check_edits and not line else None
         if missed:
-            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed.replace(f" {edit.path}", f" {where}") + check)))
+            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed + check)))
             turns.append(_turn("That changed nothing. Let me fix it again.", fix + check))
         else:
             turns.append(_turn("This line is wrong. Let me fix it.", fix + check))
@@ -185,7 +185,7 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
 
 
 def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task], list[str]]:
-    """The script the scripted engine plays per task; `recovery` of the tasks (drawn by task id) slip first."""
+    """The script the scripted engine plays per task; a `recovery` share of tasks (by task id) slip first."""
     def script(task: Task) -> list[str]:
         slip = recovery > 0 and random.Random(f"slip:{task.instance_id}").random() < recovery
         return teacher_script(task, check_edits=check_edits, slip=slip)
