@@ -171,6 +171,10 @@ class TrainerConfig(_Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     autocast: Literal["bf16"] | None = None
     gradient_checkpointing: bool = False
+    # Rollouts of a group share their first prompt (a harness's system prompt, tools and the task):
+    # forward it once per group and let the continuations attend to it. Exact: the prefix's gradient
+    # is the sum over its continuations (docs/training.md).
+    shared_prefix: bool = True
 
 
 class SFTConfig(_Section):
