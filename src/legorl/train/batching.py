@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,7 @@ from torch import Tensor
 
 from legorl.models.routing import routes_tensor
 from legorl.records import TrainingSequence
+from legorl.train.prefix import PrefixGroup
 
 
 def mini_batches(seqs: list[TrainingSequence], n: int) -> list[list[int]]:
@@ -56,6 +58,72 @@ def micro_batches(seqs: list[TrainingSequence], indices: list[int], budget: int)
 
 
 @dataclass
+class _Unit:
+    """What micro-batching packs: one sequence (``prefix`` 0) or a prefix group's members."""
+
+    members: list[int]
+    prefix: int
+    width: int  # the longest member's tokens after the prefix (a single sequence: all of them)
+
+
+def _cost(units: list[_Unit]) -> int:
+    """Tokens a micro-batch forwards: each prefix once plus its padded continuations, plus the single
+    sequences as one padded batch (the measure ``micro_batches`` uses)."""
+    singles = [u.width for u in units if not u.prefix]
+    grouped = sum(u.prefix + len(u.members) * u.width for u in units if u.prefix)
+    return grouped + len(singles) * max(singles, default=0)
+
+
+def _split_group(seqs: list[TrainingSequence], g: PrefixGroup, budget: int) -> list[_Unit]:
+    """A group as units within the budget, each recomputing the prefix (still exact). Like a sequence
+    longer than the budget, a unit keeps two members even when they overflow; a lone member left
+    over runs per-sequence (sharing with nobody saves nothing)."""
+    rest = sorted(g.members, key=lambda i: -len(seqs[i].token_ids))
+    units: list[_Unit] = []
+    while rest:
+        width = len(seqs[rest[0]].token_ids) - g.length
+        k = max(2, (budget - g.length) // max(width, 1))
+        take, rest = rest[:k], rest[k:]
+        if len(take) == 1:
+            units.append(_Unit(take, 0, len(seqs[take[0]].token_ids)))
+        else:
+            units.append(_Unit(take, g.length, width))
+    return units
+
+
+def plan_micro_batches(
+    seqs: list[TrainingSequence], indices: list[int], budget: int, groups: list[PrefixGroup]
+) -> list[tuple[list[int], list[PrefixGroup]]]:
+    """``micro_batches`` counting each shared prefix once: (indices, groups) per micro-batch.
+
+    Without groups it is exactly ``micro_batches``. Units (single sequences and groups) are packed
+    largest first while the micro-batch's forwarded tokens stay within ``budget``.
+    """
+    if not groups:
+        return [(idx, []) for idx in micro_batches(seqs, indices, budget)]
+    grouped = {i for g in groups for i in g.members}
+    units = [u for g in groups for u in _split_group(seqs, g, budget)]
+    units += [_Unit([i], 0, len(seqs[i].token_ids)) for i in indices if i not in grouped]
+    units.sort(key=lambda u: -_cost([u]))
+    plan: list[list[_Unit]] = []
+    cur: list[_Unit] = []
+    for u in units:
+        if cur and _cost(cur + [u]) > budget:
+            plan.append(cur)
+            cur = []
+        cur.append(u)
+    if cur:
+        plan.append(cur)
+    return [
+        (
+            [i for u in us for i in u.members],
+            [PrefixGroup(tuple(u.members), u.prefix) for u in us if u.prefix],
+        )
+        for us in plan
+    ]
+
+
+@dataclass
 class Micro:
     """One collated micro-batch, plus what the old-logprob pass computed for it."""
 
@@ -66,6 +134,7 @@ class Micro:
     rollout_logp: Tensor  # [B, T-1]
     advantages: Tensor  # [B]
     routes: Tensor | None = None  # [B, T, layers, top_k], -1 = route freely (sampler's routes)
+    groups: list[PrefixGroup] = field(default_factory=list)  # shared prefixes; members are row numbers
     cache: dict[str, Tensor] = field(default_factory=dict)  # old_logp, entropy, ref_logp, routes_used
 
 
@@ -75,11 +144,13 @@ def collate(
     pad_id: int,
     device: torch.device,
     route_shape: tuple[int, int] | None = None,
+    groups: Sequence[PrefixGroup] = (),
 ) -> Micro:
     """Right-padded tensors; targets/mask/logprobs shifted to align with logits[:, :-1].
 
     With ``route_shape`` (layers, top_k), the sequences' recorded routes are collated too, padded
     with the -1 sentinel (prompt/completion padding and unrecorded positions route freely).
+    ``groups`` (sequence indices, all in ``index``) become ``Micro.groups`` (row numbers).
     """
     rows = [seqs[i] for i in index]
     length = max(len(s.token_ids) for s in rows)
@@ -114,4 +185,5 @@ def collate(
         rollout_logp=rlp[:, 1:].to(device),
         advantages=torch.tensor([s.advantage for s in rows], dtype=torch.float32, device=device),
         routes=routes,
+        groups=[PrefixGroup(tuple(index.index(i) for i in g.members), g.length) for g in groups],
     )

@@ -17,6 +17,9 @@ One ``train_step`` = one batch of rollouts = ``ppo_epochs x mini_batches`` optim
   (TrainingSequence.routed_experts); ``R2`` replays the experts the trainer itself chose in the
   old-logprob pass (so an update cannot flip routes under PPO). Under R3 with several updates,
   positions without a recorded route are replayed from the old pass too.
+- **Shared prefix** (``shared_prefix``): sequences of a mini-batch sharing a long first prompt
+  forward it once per micro-batch (train/prefix.py); every forward (old, update, reference, SFT)
+  goes through ``_logprobs`` with the micro-batch's groups, so all passes see the same function.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from legorl.models.routing import (
 )
 from legorl.records import TrainingSequence
 from legorl.train import distributed as dist
-from legorl.train.batching import Micro, collate, micro_batches, mini_batches
-from legorl.train.logprobs import sequence_logprobs
+from legorl.train import prefix as shared
+from legorl.train.batching import Micro, collate, mini_batches, plan_micro_batches
 from legorl.train.losses import IS_MODES, ISCorrection, is_correction, k3, policy_terms, sequence_weights
 from legorl.train.metrics import mean, mismatch_metrics
 from legorl.train.schedule import LRSchedule
@@ -88,6 +91,8 @@ class Trainer:
         autocast: str | None = None,
         gradient_checkpointing: bool = False,
         fsdp: bool | str = "auto",
+        shared_prefix: bool = True,
+        shared_prefix_min: int = shared.MIN_SHARED_PREFIX,
     ) -> None:
         if loss_agg not in LOSS_AGGS:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGGS}")
@@ -116,8 +121,20 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.autocast_dtype = autocast
-        if dist.fsdp_wanted(fsdp):
+        sharded = dist.fsdp_wanted(fsdp)
+        if sharded:
             dist.shard_fsdp2(self.model, mixed_precision=autocast)
+        # Fallbacks to per-sequence forwards (train/prefix.py): routing replay forces routes per
+        # padded position of whole sequences; FSDP's root unit would be bypassed by the prefix
+        # forward; HF drops the KV cache under gradient checkpointing; a non-HF model has no cache.
+        self.shared_prefix = (
+            shared_prefix
+            and routing_replay == "off"
+            and not sharded
+            and not gradient_checkpointing
+            and shared.supports(self.model)
+        )
+        self.shared_prefix_min = shared_prefix_min
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.base_lr = lr
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -177,20 +194,35 @@ class Trainer:
         else:
             yield
 
+    def _micro_plan(
+        self, seqs: list[TrainingSequence], indices: list[int], routes: bool = True
+    ) -> list[Micro]:
+        """The micro-batches of one mini-batch, with their shared-prefix groups when enabled."""
+        groups = shared.find_groups(seqs, indices, self.shared_prefix_min) if self.shared_prefix else []
+        shape = self.route_shape if routes else None
+        return [
+            collate(seqs, idx, self.pad_id, self.device, shape, groups=g)
+            for idx, g in plan_micro_batches(seqs, indices, self.micro_batch_tokens, groups)
+        ]
+
     def _logprobs(
-        self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False
+        self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False, temperature: float | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Trainer logprobs/entropy at mb's loss positions (0 elsewhere: no vocab-sized work there)."""
+        """Trainer logprobs/entropy at mb's loss positions (0 elsewhere: no vocab-sized work there).
+
+        The one forward of every pass; mb.groups (empty: per-sequence) share their prefixes.
+        """
         with dist.autocast(self.device, self.autocast_dtype):
-            return sequence_logprobs(
+            return shared.shared_logprobs(
                 model,
                 mb.input_ids,
                 mb.attention_mask,
-                self.temperature,
-                self.top_p,
+                mb.mask,
+                mb.groups,
+                self.temperature if temperature is None else temperature,
+                self.top_p if temperature is None else 1.0,
                 entropy_grad=entropy_grad,
-                top_k=self.top_k,
-                loss_mask=mb.mask,
+                top_k=self.top_k if temperature is None else 0,
             )
 
     def _old_pass(self, mb: Micro, stats: ReplayStats) -> None:
@@ -249,13 +281,7 @@ class Trainer:
         minis = mini_batches(sequences, self.mini_batches)
         n_updates = self.ppo_epochs * len(minis)
         st = _Step(decoupled=n_updates > 1 or self._rejects())
-        plan = [
-            [
-                collate(sequences, idx, self.pad_id, self.device, self.route_shape)
-                for idx in micro_batches(sequences, mb, self.micro_batch_tokens)
-            ]
-            for mb in minis
-        ]
+        plan = [self._micro_plan(sequences, mb) for mb in minis]
         if st.decoupled or skip:
             for micros in plan:
                 for mb in micros:
@@ -392,16 +418,10 @@ class Trainer:
             return {"sft/loss": 0.0, "sft/grad_norm": 0.0, "sft/tokens": 0.0, "sft/skipped": 1.0}
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        micros = micro_batches(sequences, list(range(len(sequences))), self.micro_batch_tokens)
-        for j, idx in enumerate(micros):
-            mb = collate(sequences, idx, self.pad_id, self.device)
-            with (
-                dist.no_sync_if_sharded(self.model, j == len(micros) - 1),
-                dist.autocast(self.device, self.autocast_dtype),
-            ):
-                logp, _ = sequence_logprobs(
-                    self.model, mb.input_ids, mb.attention_mask, 1.0, loss_mask=mb.mask
-                )
+        micros = self._micro_plan(sequences, list(range(len(sequences))), routes=False)  # SFT never replays
+        for j, mb in enumerate(micros):
+            with dist.no_sync_if_sharded(self.model, j == len(micros) - 1):
+                logp, _ = self._logprobs(self.model, mb, temperature=1.0)  # plain cross-entropy
             loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
             loss.backward()
             loss_total += float(loss.detach())
