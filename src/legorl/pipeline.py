@@ -150,7 +150,8 @@ class Driver:
             mini_batches=t.mini_batches, is_mode=t.is_mode, token_mask=t.token_mask, seq_mask=t.seq_mask,
             kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, routing_replay=t.routing_replay,
             lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
-            min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing)
+            min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing,
+            shared_prefix=t.shared_prefix)
         # With Ray, the proxies, harnesses and sandboxes live on the rollout workers (rollout/cluster.py).
         self.proxy, self.harness, self.ctx, self.cluster = None, None, None, None
         if not ray_mode:
