@@ -81,13 +81,48 @@ class SandboxConfig(_Section):
         return v
 
 
+HarnessName = Literal["mini-swe-agent", "claude-code", "codex"]
+
+# What each harness can honour beyond the keys every harness reads (docs/configuration.md).
+_HARNESS_ONLY_KEYS: dict[str, set[str]] = {
+    "system_template": {"mini-swe-agent"},
+    "max_consecutive_format_errors": {"mini-swe-agent"},
+    "workers": {"mini-swe-agent"},
+    "system_prompt": {"claude-code", "codex"},
+    "append_system_prompt": {"claude-code", "codex"},
+    "tools": {"claude-code", "codex"},
+    "extra_args": {"claude-code", "codex"},
+    "codex_config": {"codex"},
+}
+
+
 class HarnessConfig(_Section):
-    name: Literal["mini-swe-agent", "claude-code", "codex"] = "mini-swe-agent"
-    step_limit: int = Field(6, gt=0)  # mini-swe-agent: model calls; claude-code: --max-turns
-    system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
+    name: HarnessName = "mini-swe-agent"
+    # mini-swe-agent: model calls; claude-code: --max-turns; codex (no such switch): the proxy ends
+    # the episode as max_turns when the harness asks for one call more.
+    step_limit: int = Field(6, gt=0)
     instance_template: str | None = None  # must mention {{task}} (mini-swe-agent) / {task} (CLIs)
+    # mini-swe-agent only
+    system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
     max_consecutive_format_errors: int = Field(2, ge=0)
     workers: int = Field(1, gt=0)  # long-lived harness worker processes
+    # Claude Code and Codex, through their own switches (docs/harnesses/*.md)
+    system_prompt: str | None = None  # claude-code: --system-prompt; codex: its model instructions file
+    append_system_prompt: str | None = None  # claude-code: --append-system-prompt; codex: developer_instructions
+    tools: list[str] | None = None  # claude-code: --tools; codex: every other tool switched off in config.toml
+    extra_args: list[str] = Field(default_factory=list)  # more command-line arguments for the CLI
+    codex_config: dict[str, Any] = Field(default_factory=dict)  # codex: more config.toml keys (dotted)
+
+    @model_validator(mode="after")
+    def _honoured(self) -> HarnessConfig:
+        for key in sorted(self.model_fields_set & set(_HARNESS_ONLY_KEYS)):
+            allowed = _HARNESS_ONLY_KEYS[key]
+            if self.name not in allowed:
+                hint = {"system_template": "; Claude Code and Codex take harness.system_prompt",
+                        "system_prompt": "; mini-swe-agent takes harness.system_template"}.get(key, "")
+                raise ValueError(f"harness.{key} is not honoured by {self.name} (only by {', '.join(sorted(allowed))})"
+                                 f"{hint}")
+        return self  # tool names are checked by the harness that knows them (harness/codex.py)
 
 
 class TasksConfig(_Section):

@@ -124,6 +124,10 @@ class Driver:
         cfg = self.cfg
         self.train_tasks, self.heldout_tasks = load_tasks(cfg)
         self.rl_pool()  # a task pool the config leaves empty fails now, before anything starts
+        ray_mode = cfg.ray.address is not None
+        # With Ray, the proxies, harnesses and sandboxes live on the rollout workers (rollout/cluster.py).
+        # Built first: a harness switch it cannot honour fails before anything starts.
+        self.harness = None if ray_mode else make_harness(cfg, self.run_dir / "logs")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await reap_orphans(self.run_dir / "sandboxes")  # leftovers of a killed earlier run
         if cfg.engine.torch_threads:
@@ -138,7 +142,6 @@ class Driver:
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
         self.engine = await self._make_engine()
-        ray_mode = cfg.ray.address is not None
         if faults_enabled(cfg.faults) and not ray_mode:  # with Ray, each worker wraps its own engine client
             self.engine = FaultyEngine(self.engine, cfg.faults)
         t, s = cfg.trainer, cfg.sampling
@@ -152,8 +155,7 @@ class Driver:
             lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
             min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing,
             shared_prefix=t.shared_prefix)
-        # With Ray, the proxies, harnesses and sandboxes live on the rollout workers (rollout/cluster.py).
-        self.proxy, self.harness, self.ctx, self.cluster = None, None, None, None
+        self.proxy, self.ctx, self.cluster = None, None, None
         if not ray_mode:
             self.proxy = make_proxy(cfg, self.engine, self.tokenizer, on_call=self.store.add_call)
             await self.proxy.start(cfg.proxy.host, cfg.proxy.port, unix_socket=self._sock_dir / "proxy.sock")
@@ -164,8 +166,7 @@ class Driver:
         if m.dashboard:
             url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
             console.print(f"dashboard: [bold]{url}[/]")
-        if not ray_mode:
-            self.harness = make_harness(cfg, self.run_dir / "logs")
+        if self.harness is not None:
             await self.harness.start()
         if self.resume:
             await self._restore()
@@ -379,7 +380,7 @@ class Driver:
         if self.cluster is not None:  # every Ray worker's proxy answers with the teacher meanwhile
             async with self.cluster.teacher(self.cfg.sft):
                 return await self.rollouts(tasks, step=-1, samples=1, split="demo")
-        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer)
+        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer, self.cfg.harness.name)
         policy_engine, self.proxy.engine = self.proxy.engine, teacher
         try:
             demos = await self.rollouts(tasks, step=-1, samples=1, split="demo")
@@ -393,7 +394,8 @@ class Driver:
         c = self.cfg.sft
         if not c.recovery_demos:  # only the scripted teacher slips (the config refuses it for others)
             return {}
-        script, tasks = scripted_teacher(c.check_edits, c.recovery_demos), {t.instance_id: t for t in self.train_tasks}
+        script = scripted_teacher(c.check_edits, c.recovery_demos, self.cfg.harness.name)
+        tasks = {t.instance_id: t for t in self.train_tasks}
         return {r.id: {i for i, turn in enumerate(script(tasks[r.task_id])) if isinstance(turn, Slip)}
                 for r in demos if r.task_id in tasks}
 
@@ -465,7 +467,7 @@ class Driver:
             if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.steps:
                 r.metrics.update(await self.evaluate(step))
                 self.store.add_step(step, r.metrics)
-            console.print(step_line(r))
+            console.print(step_line(r), markup=False)  # "[resolved=3]" is not a style tag
             results.append(r)
         return results
 
@@ -491,11 +493,11 @@ class Driver:
         if self.cfg.eval.before_training and "before_rl" not in summary:
             summary["before_rl"] = await self.evaluate(step=-1)
             save()
-            console.print(eval_line("before RL", summary["before_rl"]))
+            console.print(eval_line("before RL", summary["before_rl"]), markup=False)
         await self.train()
         if self.cfg.eval.after_training:
             summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
-            console.print(eval_line("after RL", summary["after_rl"]))
+            console.print(eval_line("after RL", summary["after_rl"]), markup=False)
         key = f"eval/{self.cfg.eval.split}/pass_at_1"
         summary.update({
             f"{self.cfg.eval.split}_pass_at_1_before_rl": summary.get("before_rl", {}).get(key),
@@ -560,9 +562,11 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 def step_line(r: StepResult) -> str:
     m = r.metrics
     outcomes = ", ".join(f"{k.split('/')[1]}={int(v)}" for k, v in m.items() if k.startswith("outcomes/") and v)
-    return (f"step {r.step}: reward {m.get('reward/mean', 0):.2f}  pass {m.get('pass_rate', 0):.2f}  "
-            f"[{outcomes}]  loss {m.get('train/loss', float('nan')):.4f}  "
-            f"pearson {m.get('train/logprob_pearson', float('nan')):.3f}  {m.get('time/step_s', 0):.0f}s")
+    head = f"step {r.step}: reward {m.get('reward/mean', 0):.2f}  pass {m.get('pass_rate', 0):.2f}  [{outcomes}]"
+    if m.get("train/skipped"):
+        return f"{head}  nothing to train (no rollout left a trainable sequence)  {m.get('time/step_s', 0):.0f}s"
+    return (f"{head}  loss {m.get('train/loss', 0.0):.4f}  pearson {m.get('train/logprob_pearson', 0.0):.3f}  "
+            f"{m.get('time/step_s', 0):.0f}s")
 
 
 async def run_job(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:

@@ -6,6 +6,10 @@ defaults, sub-agents) points at the served model, so no call leaves the session.
 skipped (legorl's sandbox is the isolation); `IS_SANDBOX=1` lets that run as root; telemetry,
 auto-update and non-essential traffic are off (the sandbox has no network anyway).
 
+Its prompt is shortened through its own switches, never by patching it
+(docs/harnesses/claude-code.md): `system_prompt` (--system-prompt), `append_system_prompt`
+(--append-system-prompt), `tools` (--tools, the built-in tools it declares) and `extra_args`.
+
 Exit status (see rollout/outcomes.py): "Submitted" when Claude Code reports success,
 "LimitsExceeded" when it hit `--max-turns`, else its own error subtype with the error text.
 """
@@ -73,6 +77,9 @@ class ClaudeCodeHarness:
     binary: str | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
+    system_prompt: str | None = None  # --system-prompt: replaces Claude Code's own
+    append_system_prompt: str | None = None  # --append-system-prompt
+    tools: list[str] | None = None  # --tools: the built-in tools it declares (e.g. Bash, Edit, Read)
     name: str = "claude-code"
 
     async def start(self) -> None:
@@ -116,7 +123,14 @@ class ClaudeCodeHarness:
     def command(self, run: HarnessRun) -> str:
         prompt = self.instance_template.replace("{task}", run.task_text)
         argv = [self.binary or "claude", "-p", prompt, "--output-format", "json", "--dangerously-skip-permissions",
-                "--max-turns", str(self.max_turns), "--model", run.model_name, *self.extra_args]
+                "--max-turns", str(self.max_turns), "--model", run.model_name]
+        if self.system_prompt is not None:
+            argv += ["--system-prompt", self.system_prompt]
+        if self.append_system_prompt is not None:
+            argv += ["--append-system-prompt", self.append_system_prompt]
+        if self.tools is not None:
+            argv += ["--tools", ",".join(self.tools)]
+        argv += self.extra_args
         return " ".join(shlex.quote(a) for a in argv)
 
     async def run(self, run: HarnessRun) -> HarnessResult:

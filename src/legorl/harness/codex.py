@@ -6,6 +6,12 @@ provider whose base URL is the session's relay URL + `/v1`, speaking the Respons
 the session token as its API key. Codex's own sandbox and approvals are off
 (`--dangerously-bypass-approvals-and-sandbox`): legorl's sandbox is the isolation.
 
+Its prompt is shortened through its own switches, never by patching it (docs/harnesses/codex.md):
+`system_prompt` becomes its model instructions file, `append_system_prompt` its developer
+instructions, `tools` switches off in config.toml every tool group not listed, and `codex_config`
+adds any other config.toml key. Codex has no turn limit of its own: `max_calls` is enforced by the
+proxy session, which refuses the call past it and the episode ends as max_turns.
+
 Exit status (see rollout/outcomes.py): "Submitted" when the turn completed, else "turn_failed"
 / "exited" with the error Codex reported.
 """
@@ -16,30 +22,70 @@ import asyncio
 import json
 import shlex
 from dataclasses import dataclass, field
+from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
 from legorl.harness.claude_code import DEFAULT_INSTANCE_TEMPLATE, exec_cli, find_cli
 from legorl.sandbox.client import SandboxClient
 
 CODEX_HOME = "/tmp/.codex-legorl"
+INSTRUCTIONS_FILE = f"{CODEX_HOME}/instructions.md"
+
+# The tools Codex 0.171 declares and the config.toml keys that switch each group off. The shell
+# (exec_command with its write_stdin) always stays: it is how Codex acts.
+SHELL_TOOLS = ("exec_command", "write_stdin")
+TOOL_SWITCHES: dict[tuple[str, ...], dict[str, Any]] = {
+    ("spawn_agent", "send_input", "wait_agent", "close_agent", "resume_agent"): {"features.multi_agent": False},
+    ("create_goal", "get_goal", "update_goal"): {"features.goals": False},
+    ("view_image",): {"features.view_image": False},
+    ("request_user_input",): {"tools.experimental_request_user_input.enabled": False},
+    ("update_plan",): {"tools.update_plan.enabled": False},
+    ("image_generation",): {"features.image_generation": False},
+    ("web_search",): {"web_search": "disabled"},
+}
 
 
-def _toml_str(s: str) -> str:
-    return json.dumps(s)  # a JSON string is a valid TOML basic string
+def codex_tool_switches(tools: list[str]) -> dict[str, Any]:
+    """config.toml keys that leave only `tools` (plus the shell) declared; ValueError naming an unknown tool."""
+    known = {t for group in TOOL_SWITCHES for t in group} | set(SHELL_TOOLS)
+    unknown = sorted(set(tools) - known)
+    if unknown:
+        raise ValueError(f"harness.tools: Codex has no tool {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if "exec_command" not in tools:
+        raise ValueError("harness.tools must keep exec_command: Codex's shell cannot be switched off")
+    switches: dict[str, Any] = {}
+    for group, keys in TOOL_SWITCHES.items():
+        if not set(group) & set(tools):
+            switches.update(keys)
+    return switches
 
 
-def codex_config(run: HarnessRun, *, retries: int = 2) -> str:
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ValueError(f"harness.codex_config: {v!r} is not a TOML value (use strings, numbers, booleans, lists)")
+
+
+def codex_config(run: HarnessRun, *, retries: int = 2, extra: dict[str, Any] | None = None) -> str:
+    """config.toml: the legorl provider (the session's relay URL, Responses API) and `extra` top-level keys."""
     base = run.relay_base.rstrip("/") + "/v1"
     return "\n".join([
-        f"model = {_toml_str(run.model_name)}",
+        f"model = {_toml_value(run.model_name)}",
         'model_provider = "legorl"',
         'approval_policy = "never"',
         'sandbox_mode = "danger-full-access"',
         "check_for_update_on_startup = false",
+        *(f"{key} = {_toml_value(value)}" for key, value in (extra or {}).items()),  # dotted keys: before any table
         "",
         "[model_providers.legorl]",
         'name = "legorl"',
-        f"base_url = {_toml_str(base)}",
+        f"base_url = {_toml_value(base)}",
         'wire_api = "responses"',
         'env_key = "LEGORL_API_KEY"',
         f"request_max_retries = {retries}",
@@ -59,10 +105,30 @@ class CodexHarness:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
     retries: int = 2
+    system_prompt: str | None = None  # replaces Codex's instructions (its model instructions file)
+    append_system_prompt: str | None = None  # Codex's developer_instructions
+    tools: list[str] | None = None  # keep only these tools (and the shell)
+    config: dict[str, Any] = field(default_factory=dict)  # more config.toml keys
+    max_calls: int | None = None  # enforced by the proxy session (Codex has no turn limit)
     name: str = "codex"
+
+    def __post_init__(self) -> None:
+        self.config_keys()  # an unknown tool or a value TOML cannot hold fails at construction
 
     async def start(self) -> None:
         self.binary = find_cli("codex", self.binary)
+
+    def config_keys(self) -> dict[str, Any]:
+        """The top-level config.toml keys the switches above set (the config's own keys win)."""
+        keys: dict[str, Any] = codex_tool_switches(self.tools) if self.tools is not None else {}
+        if self.system_prompt is not None:
+            keys["model_instructions_file"] = INSTRUCTIONS_FILE
+        if self.append_system_prompt is not None:
+            keys["developer_instructions"] = self.append_system_prompt
+        keys.update(self.config)
+        for value in keys.values():
+            _toml_value(value)
+        return keys
 
     def env(self, run: HarnessRun) -> dict[str, str]:
         env = {"CODEX_HOME": CODEX_HOME, "LEGORL_API_KEY": run.api_key, "HOME": "/tmp", "NO_COLOR": "1",
@@ -86,8 +152,10 @@ class CodexHarness:
                                  error="HarnessRun.relay_base is empty: Codex runs inside the sandbox and needs the "
                                        "relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
         client = SandboxClient(run.control_socket)
-        config = codex_config(run, retries=self.retries)
+        config = codex_config(run, retries=self.retries, extra=self.config_keys())
         await asyncio.to_thread(client.write_file, f"{CODEX_HOME}/config.toml", config)
+        if self.system_prompt is not None:
+            await asyncio.to_thread(client.write_file, INSTRUCTIONS_FILE, self.system_prompt)
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         events = [e for e in (_json_line(line) for line in output.splitlines()) if e is not None]
         kinds = [e.get("type") for e in events]

@@ -5,6 +5,7 @@
 - `zero_variance_groups`: too many groups without learning signal (every advantage zero: equal
   rewards for the baseline methods, all failed for reinforce).
 - `infra_failures`: too many rollouts ended in an infrastructure outcome.
+- `nothing_trained`: a step ended with no trainable sequence (every rollout masked or without signal).
 
 `evaluate(series, cfg)` judges every step of a run (the dashboard shows the history);
 `AlarmMonitor.update(step, metrics, rollouts)` is for the training driver: it logs
@@ -30,6 +31,13 @@ log = logging.getLogger("legorl.alarms")
 ZERO_VARIANCE = "zero_variance_share"  # derived series names
 INFRA_SHARE = "infra_share"
 FINISHED = "finished_rollouts"
+NOTHING_TRAINED = "train/skipped"  # 1.0 on a step whose trainer had nothing to learn from
+HINTS = {  # what to look at when one outcome took every rollout of a step
+    "context_overflow": "prompts exceed the model's context: shorten the harness prompt (harness.system_prompt, "
+                        "harness.tools) or raise model.max_position_embeddings",
+    "no_model_calls": "the harness exited before calling the model: see the rollouts' outcome reasons",
+    "agent_crash": "the harness failed: see the rollouts' outcome reasons and the harness logs",
+}
 
 
 @dataclass
@@ -91,7 +99,8 @@ def derived(metrics: dict[str, float], cfg: AlarmConfig) -> dict[str, float | No
                 if k.startswith("outcomes/") and isinstance(v, (int, float))}
     share, total = infra_share(outcomes, cfg)
     out: dict[str, float | None] = {INFRA_SHARE: share, FINISHED: total}
-    for k in (cfg.kl_metric, cfg.tool_metric, ZERO_VARIANCE):
+    out.update({f"outcomes/{o}": n for o, n in outcomes.items()})
+    for k in (cfg.kl_metric, cfg.tool_metric, ZERO_VARIANCE, NOTHING_TRAINED):
         if k in metrics:
             out[k] = metrics[k]
     return out
@@ -137,6 +146,21 @@ def _tools(series: Series, cfg: AlarmConfig) -> list[Alarm]:
     return out
 
 
+def _nothing_trained(series: Series) -> list[Alarm]:
+    out = []
+    for i, skipped in enumerate(series.get(NOTHING_TRAINED)):
+        if not skipped:
+            continue
+        counts = {k.split("/", 1)[1]: col[i] for k, col in series.values.items() if k.startswith("outcomes/")}
+        counts = {o: int(n) for o, n in counts.items() if n}
+        top = max(counts, key=counts.get) if counts else ""
+        seen = ", ".join(f"{o}={n}" for o, n in sorted(counts.items())) or "no finished rollout"
+        hint = HINTS.get(top, "every rollout was masked or its group carried no learning signal")
+        out.append(Alarm("nothing_trained", series.steps[i], 1.0, 0.0,
+                         f"step {series.steps[i]} trained nothing ({seen}): {hint}", "critical"))
+    return out
+
+
 def _threshold(series: Series, name: str, metric: str, limit: float, cfg: AlarmConfig, what: str) -> list[Alarm]:
     out = []
     finished = series.get(FINISHED)
@@ -153,7 +177,7 @@ def _threshold(series: Series, name: str, metric: str, limit: float, cfg: AlarmC
 def evaluate(series: Series, cfg: AlarmConfig | None = None) -> list[Alarm]:
     """Every alarm at every step of the series, in step order."""
     cfg = cfg or AlarmConfig()
-    alarms = _kl(series, cfg) + _tools(series, cfg)
+    alarms = _kl(series, cfg) + _tools(series, cfg) + _nothing_trained(series)
     alarms += _threshold(series, "zero_variance_groups", ZERO_VARIANCE, cfg.zero_variance_max, cfg,
                          "of groups carry no learning signal (every advantage zero)")
     alarms += _threshold(series, "infra_failures", INFRA_SHARE, cfg.infra_failure_max, cfg,

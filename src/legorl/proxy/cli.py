@@ -21,13 +21,18 @@ from typing import Annotated, Any
 import typer
 
 
-def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, cache_dir: Path) -> tuple[Any, Any]:
+def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, cache_dir: Path,
+                          max_context: int | None = None) -> tuple[Any, Any]:
+    from legorl.config import ModelConfig
     from legorl.engine import LocalEngine, ScriptedEngine
     from legorl.models import ModelSpec, build_tokenizer, load_or_build, load_tokenizer
 
     if engine == "local":
-        m, tok = load_or_build(model, ModelSpec(), cache_dir)
-        return LocalEngine(m, tok), tok
+        # The built-in model gets the context `legorl train` gives it (model.max_position_embeddings)
+        # unless --max-context says otherwise; a model directory keeps its own, capped by --max-context.
+        spec = ModelSpec(max_position_embeddings=max_context or ModelConfig().max_position_embeddings)
+        m, tok = load_or_build(model, spec, cache_dir)
+        return LocalEngine(m, tok, max_context=max_context), tok
     tok = load_tokenizer(model) if model is not None else build_tokenizer(cache_dir, ModelSpec().vocab_size)
     replies = json.loads(script.read_text()) if script is not None else ["OK"]
     if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
@@ -62,6 +67,9 @@ def proxy_command(
     max_tokens: Annotated[int, typer.Option(help="cap on completion tokens per call")] = 1024,
     parser: Annotated[str, typer.Option(help="tool-call parser: tagged | hermes | qwen | qwen3_coder")] = "tagged",
     cache_dir: Annotated[Path, typer.Option(help="tokenizer/model build cache")] = Path("~/.cache/legorl"),
+    max_context: Annotated[int | None, typer.Option(help="context length in tokens (prompt + completion); default: "
+                                                          "the model's own (the built-in one: as in legorl train)")]
+    = None,
 ) -> None:
     """Serve the LLM proxy standalone: any harness, any session id, every call recorded token-exactly."""
     if engine not in ("local", "scripted"):
@@ -73,19 +81,19 @@ def proxy_command(
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
-                           temperature, top_p, max_tokens, parser, cache_dir.expanduser()))
+                           temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context))
 
 
 async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int, host: str,
                  unix_socket: Path | None, served: str, script: Path | None, temperature: float, top_p: float,
-                 max_tokens: int, parser: str, cache_dir: Path) -> None:
+                 max_tokens: int, parser: str, cache_dir: Path, max_context: int | None = None) -> None:
     import asyncio
 
     from legorl.proxy.server import Proxy, SamplingOverride
     from legorl.proxy.toolcalls import get_parser
     from legorl.store import Store
 
-    engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir)
+    engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir, max_context)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "tokenizer").exists():
         tok.save_pretrained(run_dir / "tokenizer")  # lets `legorl report` check decode(ids) == text

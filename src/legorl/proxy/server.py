@@ -134,8 +134,8 @@ class Proxy:
         self.core.sampling = s
 
     # ---- sessions -------------------------------------------------------------------------------
-    def open_session(self, rollout_id: str) -> Session:
-        return self.sessions.open(rollout_id)
+    def open_session(self, rollout_id: str, max_calls: int | None = None) -> Session:
+        return self.sessions.open(rollout_id, max_calls)
 
     def close_session(self, token: str) -> Session | None:
         return self.sessions.close(token)
@@ -324,6 +324,10 @@ class Proxy:
                 if done is not None:  # an SDK retry of a call already answered: the same answer
                     session.retries_answered += 1
                     return done
+                if session.max_calls is not None and session.n_calls >= session.max_calls:
+                    session.errors.append("max_turns")
+                    raise ProxyError(f"this rollout's turn limit ({session.max_calls} model calls, harness.step_limit) "
+                                     "is reached")
                 if fmt is self.responses:
                     fmt.resolve_previous(req, session.responses)
                 comp = await self.core.complete(session, req, fmt.tool_id_prefix)

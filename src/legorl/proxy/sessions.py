@@ -32,6 +32,7 @@ class Session:
     bridge_hits: int = 0
     drift_prevented: int = 0
     retries_answered: int = 0
+    max_calls: int | None = None  # the harness's turn limit, where the harness has none of its own
 
 
 def body_key(raw: bytes) -> str:
@@ -45,9 +46,9 @@ class SessionRegistry:
         self._by_token: dict[str, Session] = {}
         self.closed: list[Session] = []  # kept for run statistics (counters only matter)
 
-    def open(self, rollout_id: str) -> Session:
+    def open(self, rollout_id: str, max_calls: int | None = None) -> Session:
         token = secrets.token_urlsafe(24)
-        s = Session(token=token, rollout_id=rollout_id)
+        s = Session(token=token, rollout_id=rollout_id, max_calls=max_calls)
         self._by_token[token] = s
         return s
 

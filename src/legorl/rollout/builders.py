@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from legorl.config import Config, SFTConfig
+from legorl.config import Config, ConfigError, SFTConfig
 from legorl.harness.base import Harness
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import LLMCall
@@ -29,12 +29,17 @@ def make_harness(cfg: Config, log_dir: Path) -> Harness:
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 
     h = cfg.harness
-    if h.name == "claude-code":
-        kw = {"instance_template": h.instance_template} if h.instance_template else {}
-        return ClaudeCodeHarness(max_turns=h.step_limit, timeout=cfg.rollout.agent_timeout, **kw)
-    if h.name == "codex":
-        kw = {"instance_template": h.instance_template} if h.instance_template else {}
-        return CodexHarness(timeout=cfg.rollout.agent_timeout, **kw)
+    kw: dict[str, Any] = {"instance_template": h.instance_template} if h.instance_template else {}
+    if h.name in ("claude-code", "codex"):
+        kw.update(system_prompt=h.system_prompt, append_system_prompt=h.append_system_prompt, tools=h.tools,
+                  extra_args=list(h.extra_args), timeout=cfg.rollout.agent_timeout)
+    try:
+        if h.name == "claude-code":
+            return ClaudeCodeHarness(max_turns=h.step_limit, **kw)
+        if h.name == "codex":
+            return CodexHarness(max_calls=h.step_limit, config=dict(h.codex_config), **kw)
+    except ValueError as e:  # a switch the harness cannot honour (an unknown tool, a value TOML cannot hold)
+        raise ConfigError(str(e)) from None
     return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)
 
 
@@ -57,8 +62,9 @@ def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
                vocab_size=len(tokenizer))
 
 
-def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task], list[str]] | None]:
-    """The SFT teacher engine and, for the scripted teacher, the script it plays per task."""
+def make_teacher(c: SFTConfig, tokenizer: Any, harness: str = "mini-swe-agent"
+                 ) -> tuple[Any, Callable[[Task], list[str]] | None]:
+    """The SFT teacher engine and, for the scripted teacher, the script it plays per task through `harness`."""
     from legorl.engine.scripted import ScriptedEngine
     from legorl.engine.upstream import UpstreamEngine
     from legorl.tasks.teacher import scripted_teacher
@@ -67,7 +73,7 @@ def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task], li
         if not (c.teacher_url and c.teacher_model):
             raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
         return UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer), None
-    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos)
+    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos, harness)
 
 
 def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:

@@ -151,7 +151,7 @@ class RolloutWorker:
 
     async def use_teacher(self, sft: dict[str, Any]) -> None:
         """Teacher demonstrations: the proxy answers with the SFT teacher until use_policy()."""
-        teacher, self.ctx.script_for = make_teacher(SFTConfig.model_validate(sft), self.tokenizer)
+        teacher, self.ctx.script_for = make_teacher(SFTConfig.model_validate(sft), self.tokenizer, self.cfg.harness.name)
         self._policy, self.proxy.engine = self.proxy.engine, teacher
 
     async def use_policy(self) -> None:

@@ -118,7 +118,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
 
         if sandbox is not None:
             t1 = time.time()
-            session = ctx.proxy.open_session(rid)
+            session = ctx.proxy.open_session(rid, max_calls=getattr(ctx.harness, "max_calls", None))
             run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
                              api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
                              model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket),

@@ -99,7 +99,15 @@ def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | Non
     problem = capture_problem(calls, facts.proxy_calls)
     if problem:
         return Outcome.INVALID_CAPTURE, problem
-    if h.exit_status not in ("Submitted", "LimitsExceeded", "RepeatedFormatError", "FormatError"):
+    if "max_turns" in facts.proxy_errors:  # the proxy enforced the turn limit (a harness without one)
+        h = HarnessResult(exit_status="LimitsExceeded", n_calls=h.n_calls, error=h.error)
+    ended = h.exit_status in ("Submitted", "LimitsExceeded", "RepeatedFormatError", "FormatError")
+    if not ended and max(calls, key=lambda c: c.index).finish_reason == "length":
+        # Claude Code and Codex end their run with an error on a reply cut at max_tokens. The policy
+        # wrote past the cap: a failure of the policy (trained as one), not of the harness.
+        return Outcome.UNRESOLVED, (f"the harness stopped on a reply cut at sampling.max_tokens "
+                                    f"({h.exit_status}: {h.error[:300]})")
+    if not ended:
         return Outcome.AGENT_CRASH, h.error or f"harness ended with {h.exit_status or 'no status'}"
     if report is None or report.outcome == Outcome.GRADER_ERROR:
         return Outcome.GRADER_ERROR, report.reason if report else "not graded"

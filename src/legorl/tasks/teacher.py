@@ -1,9 +1,12 @@
 """Teacher episodes derived from a task's gold patch, for the scripted engine.
 
-The script is what a careful agent would do in any bash-tool harness: find the
-function, read the file, edit the line with sed, run the tests, submit. Each turn
+The script is what a careful agent would do in any harness with a shell tool: find the
+function, read the file, edit the line with sed, run the tests, finish. Each turn
 is reasoning text plus one tool call, in the exact text the chat template renders
 for a tool call, so the recorded tokens are what the policy should learn to emit.
+Each harness is played through its own shell tool (`TOOL_STYLES`): mini-swe-agent's
+`bash`, Claude Code's `Bash`, Codex's `exec_command`; mini-swe-agent finishes with its
+submit command, the CLIs with a reply that calls no tool.
 """
 
 from __future__ import annotations
@@ -18,6 +21,23 @@ from legorl.tasks.schema import Task
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 CHECK = " && git diff --stat"  # what an edit changed: one line per file, nothing when it missed
+DONE = "Done. The bug is fixed."  # a CLI harness's last turn: text and no tool call ends its run
+
+
+@dataclass(frozen=True)
+class ToolStyle:
+    """How a harness takes a shell command, and how its episode ends."""
+
+    tool: str  # the shell tool the harness declares
+    arg: str  # its command argument
+    submit: str | None  # the command that submits; None: a reply without a tool call ends the episode
+
+
+TOOL_STYLES = {
+    "mini-swe-agent": ToolStyle("bash", "command", SUBMIT),
+    "claude-code": ToolStyle("Bash", "command", None),
+    "codex": ToolStyle("exec_command", "cmd", None),
+}
 
 
 class Slip(str):
@@ -128,8 +148,8 @@ def edited_line(task: Task, edit: LineEdit) -> int | None:
     return edit.line if hits > 1 else None
 
 
-def _turn(thought: str, command: str) -> str:
-    return f"{thought}\n{render_tool_call_text('bash', {'command': command})}"
+def _turn(thought: str, command: str, style: ToolStyle = TOOL_STYLES["mini-swe-agent"]) -> str:
+    return f"{thought}\n{render_tool_call_text(style.tool, {style.arg: command})}"
 
 
 def function_name(task: Task, edit: LineEdit) -> str:
@@ -150,7 +170,7 @@ def source_files(task: Task) -> list[str]:
 
 
 def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, check_edits: bool = False,
-                   slip: bool = False) -> list[str]:
+                   slip: bool = False, harness: str = "mini-swe-agent") -> list[str]:
     """Assistant turns for one episode: read the function's file, fix the line, submit.
 
     The file is found inside each command, so the agent never copies a path out of earlier output:
@@ -163,30 +183,33 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     check_edits ends each edit with `&& git diff --stat`, so the episode shows whether it changed
     anything. slip (with check_edits) first makes an edit that changes nothing, as a `Slip` turn,
     then sees the empty check and makes the right edit: a recovery the policy can learn to repeat.
+    harness: whose shell tool the turns call and how the episode ends (`TOOL_STYLES`).
     """
+    style = TOOL_STYLES[harness]
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
     where = SOURCES if source_files(task) == [edit.path] else f"$(grep -rl 'def {function_name(task, edit)}' .)"
     read = f"nl -ba {where}" if line else f"cat {where}"  # line numbers when the fix needs one
     check = CHECK if check_edits else ""
-    turns = [_turn("Let me read the function.", read)]
+    turns = [_turn("Let me read the function.", read, style)]
     if solve:
         fix = sed_command(edit, line, task.files.get(edit.path, ""), where)
         missed = slipped_sed(task, edit, where) if slip and check_edits and not line else None
         if missed:
-            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed + check)))
-            turns.append(_turn("That changed nothing. Let me fix it again.", fix + check))
+            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed + check, style)))
+            turns.append(_turn("That changed nothing. Let me fix it again.", fix + check, style))
         else:
-            turns.append(_turn("This line is wrong. Let me fix it.", fix + check))
+            turns.append(_turn("This line is wrong. Let me fix it.", fix + check, style))
         if run_tests:
-            turns.append(_turn("Let me run the tests.", "python -m pytest -q"))
-    turns.append(_turn("Done. Let me submit.", SUBMIT))
+            turns.append(_turn("Let me run the tests.", "python -m pytest -q", style))
+    turns.append(_turn("Done. Let me submit.", style.submit, style) if style.submit else DONE)
     return turns
 
 
-def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task], list[str]]:
+def scripted_teacher(check_edits: bool = False, recovery: float = 0.0,
+                     harness: str = "mini-swe-agent") -> Callable[[Task], list[str]]:
     """The script the scripted engine plays per task; a `recovery` share of tasks (by task id) slip first."""
     def script(task: Task) -> list[str]:
         slip = recovery > 0 and random.Random(f"slip:{task.instance_id}").random() < recovery
-        return teacher_script(task, check_edits=check_edits, slip=slip)
+        return teacher_script(task, check_edits=check_edits, slip=slip, harness=harness)
     return script

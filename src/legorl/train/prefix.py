@@ -187,6 +187,8 @@ def _group_part(
     """The prefix once (batch 1, no lm_head), then the continuations against its repeated KV cache."""
     idx = torch.tensor(g.members, device=ids.device)
     p, k = g.length, len(g.members)
+    if bool(loss_mask[idx, :p].any()):  # their logits would come from the prefix, which has none
+        raise ValueError(f"prefix group {g}: loss tokens within the first {p + 1} tokens (see shareable)")
     width = int(attn[idx].sum(1).max()) - p  # the longest continuation
     base = model.base_model
     prefix = base(input_ids=ids[idx[:1], :p], use_cache=True)
