@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 NPM_PREFIX := $(VENV)/npm
 CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
-RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+HARNESS ?= mini-swe-agent
+DEMO_CONFIG := configs/$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)).yaml
+RUN_DIR ?= runs/demo-$(HARNESS)-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup setup-test demo test test-all lint clean
 
@@ -31,17 +33,23 @@ $(VENV)/.setup: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[harness]'
 	@touch $@
 
-setup-test: setup $(VENV)/.setup-test
+setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-test
 
-$(VENV)/.setup-test: pyproject.toml Makefile
-	$(call apt_need,chromium:chromium node:nodejs npm:npm)
-	$(PY) -m pip install -q -e '.[harness,dev,ray]'
+$(VENV)/.setup-clis: Makefile
+	$(call apt_need,node:nodejs npm:npm)
 	npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) \
 	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
 	@touch $@
 
-demo: setup
-	$(VENV)/bin/legorl train --config configs/demo.yaml --run-dir $(RUN_DIR)
+$(VENV)/.setup-test: pyproject.toml Makefile
+	$(call apt_need,chromium:chromium)
+	$(PY) -m pip install -q -e '.[harness,dev,ray]'
+	@touch $@
+
+# make demo HARNESS=claude-code|codex: the same job through another harness (its CLI from npm)
+demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis)
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code or codex)" >&2; exit 2; }
+	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 
 test: setup-test

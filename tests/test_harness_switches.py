@@ -1,0 +1,200 @@
+"""Claude Code and Codex configured through their own switches, and what legorl does around them.
+
+The keys (harness.system_prompt, append_system_prompt, tools, extra_args, codex_config) are
+validated per harness; the real CLIs, given the shortened configuration, send prompts a small
+model's context holds; the scripted teacher plays each harness's own shell tool; a reply cut at
+max_tokens, which ends a CLI's run with an error, counts as the policy's failure; Codex's turn
+limit is enforced by the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tomllib
+
+import anthropic
+import openai
+import pytest
+from test_harness_claude_code import CALC, run_claude, tool_names
+from test_harness_codex import run_codex
+from test_proxy import Harness as ProxyOnLoopback
+
+from legorl.config import ConfigError, load_config
+from legorl.engine import ScriptedEngine
+from legorl.harness.base import HarnessResult, HarnessRun
+from legorl.harness.claude_code import NPM_BIN, ClaudeCodeHarness
+from legorl.harness.codex import INSTRUCTIONS_FILE, CodexHarness, codex_config, codex_tool_switches
+from legorl.models import render_tool_call_text
+from legorl.monitor.alarms import AlarmMonitor
+from legorl.pipeline import StepResult, step_line
+from legorl.records import GraderReport, LLMCall, Outcome
+from legorl.rollout.builders import make_harness
+from legorl.rollout.outcomes import EpisodeFacts, decide
+from legorl.tasks import builtin_splits
+from legorl.tasks.teacher import DONE, SUBMIT, teacher_script
+
+SHORT = "You are a coding agent. Fix the bug with the shell tool, then reply Done."
+CODEX_QUIET = {"skills.include_instructions": False, "include_environment_context": False,
+               "include_permissions_instructions": False, "include_apps_instructions": False,
+               "include_collaboration_mode_instructions": False}
+
+
+# ---- configuration ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["harness.system_prompt=hi"], "harness.system_prompt is not honoured by mini-swe-agent"),
+    (["harness.tools=[bash]"], "harness.tools is not honoured by mini-swe-agent"),
+    (["harness.name=claude-code", "harness.system_template=x"], "Claude Code and Codex take harness.system_prompt"),
+    (["harness.name=claude-code", "harness.codex_config={a: 1}"], "harness.codex_config is not honoured by claude-code"),
+    (["harness.name=codex", "harness.workers=2"], "harness.workers is not honoured by codex"),
+])
+def test_a_key_the_harness_cannot_honour_is_a_config_error(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_unknown_codex_tool_fails_at_construction_naming_the_known_ones(tmp_path):
+    cfg = load_config(None, ["harness.name=codex", "harness.tools=[exec_command, teleport]"])
+    with pytest.raises(ConfigError, match="Codex has no tool teleport .known: .*view_image"):
+        make_harness(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="must keep exec_command"):
+        make_harness(load_config(None, ["harness.name=codex", "harness.tools=[view_image]"]), tmp_path)
+
+
+def test_switches_reach_each_cli_as_its_own_flags_and_config(tmp_path):
+    cfg = load_config(None, ["harness.name=claude-code", f"harness.system_prompt={SHORT}", "harness.tools=[Bash, Edit]",
+                             "harness.append_system_prompt=Be brief.", "harness.extra_args=[--verbose]"])
+    claude = make_harness(cfg, tmp_path)
+    assert isinstance(claude, ClaudeCodeHarness)
+    run = HarnessRun("r", "task", "http://x/v1", "key", "m", "/sock", relay_base="http://127.0.0.1:1/s/t")
+    cmd = claude.command(run)
+    assert f"--system-prompt '{SHORT}'" in cmd and "--tools Bash,Edit" in cmd
+    assert "--append-system-prompt 'Be brief.'" in cmd and cmd.endswith("--verbose")
+
+    cfg = load_config(None, ["harness.name=codex", f"harness.system_prompt={SHORT}", "harness.tools=[exec_command]",
+                             "harness.append_system_prompt=Be brief.", "harness.codex_config={web_search: live}"])
+    codex = make_harness(cfg, tmp_path)
+    assert isinstance(codex, CodexHarness) and codex.max_calls == cfg.harness.step_limit
+    toml = tomllib.loads(codex_config(run, extra=codex.config_keys()))
+    assert toml["model_instructions_file"] == INSTRUCTIONS_FILE and toml["developer_instructions"] == "Be brief."
+    assert toml["features"] == {"multi_agent": False, "goals": False, "view_image": False, "image_generation": False}
+    assert toml["tools"]["update_plan"]["enabled"] is False
+    assert toml["web_search"] == "live"  # the config's own key wins over the switch's "disabled"
+    assert toml["model_providers"]["legorl"]["base_url"] == "http://127.0.0.1:1/s/t/v1"
+    assert codex_tool_switches(["exec_command", "view_image", "update_plan"]).get("features.view_image") is None
+
+
+# ---- the real CLIs with the shortened configuration -----------------------------------------------
+needs_clis = pytest.mark.skipif(not (NPM_BIN / "claude").exists() or not (NPM_BIN / "codex").exists(),
+                                reason="needs the pinned Claude Code and Codex CLIs (make setup-test)")
+
+
+def shell_script(tokenizer, tool: str, arg: str, seen: list[str]):
+    def script(i: int, prompt_ids: list[int]) -> str:
+        prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        seen.append(prompt)
+        step = prompt.count("<tool_response>")
+        if step == 0:
+            return "Let me read the file.\n" + render_tool_call_text(tool, {arg: "cat calc.py"})
+        if step == 1:
+            return render_tool_call_text(tool, {arg: "sed -i 's/a - b/a + b/' calc.py"})
+        return DONE
+    return script
+
+
+@needs_clis
+def test_claude_code_shortened_by_its_own_flags(tokenizer, tmp_path):
+    seen: list[str] = []
+    result, _, calls, calc = asyncio.run(run_claude(tokenizer, tmp_path, shell_script(tokenizer, "Bash", "command", seen),
+                                                    system_prompt=SHORT, tools=["Bash"]))
+    assert result.exit_status == "Submitted" and calc == CALC.replace("a - b", "a + b")
+    assert tool_names(seen[0]) == {"Bash"} and SHORT in seen[0]
+    assert "You are Claude Code" not in seen[0]
+    first = len(calls[0].prompt_ids)
+    assert 1000 < first < 4000, first  # its default first prompt is ~21k tokens (BENCHMARKS.md)
+    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]
+
+
+@needs_clis
+def test_codex_shortened_by_its_own_config(tokenizer, tmp_path):
+    seen: list[str] = []
+    result, _, calls, calc = asyncio.run(run_codex(tokenizer, tmp_path, shell_script(tokenizer, "exec_command", "cmd",
+                                                                                      seen),
+                                                   system_prompt=SHORT, tools=["exec_command"], config=CODEX_QUIET))
+    assert result.exit_status == "Submitted" and calc == CALC.replace("a - b", "a + b")
+    assert tool_names(seen[0]) == {"exec_command", "write_stdin"} and SHORT in seen[0]
+    assert "<skills_instructions>" not in seen[0] and "Codex CLI" not in seen[0]
+    first = len(calls[0].prompt_ids)
+    assert 500 < first < 2000, first  # its default first prompt is ~16k tokens (BENCHMARKS.md)
+
+
+# ---- the teacher plays each harness's own tool ------------------------------------------------------
+@pytest.mark.parametrize(("harness", "tool", "arg"), [("mini-swe-agent", "bash", "command"),
+                                                      ("claude-code", "Bash", "command"),
+                                                      ("codex", "exec_command", "cmd")])
+def test_teacher_calls_each_harness_shell_tool(harness, tool, arg):
+    task = builtin_splits(4, 0, 0)[0][0]
+    turns = teacher_script(task, harness=harness)
+    calls = [json.loads(t.split("<tool_call>\n", 1)[1].split("\n</tool_call>")[0]) for t in turns if "<tool_call>" in t]
+    assert {c["name"] for c in calls} == {tool} and all(set(c["arguments"]) == {arg} for c in calls)
+    assert "sed -i" in calls[1]["arguments"][arg]
+    if harness == "mini-swe-agent":
+        assert calls[-1]["arguments"][arg] == SUBMIT
+    else:  # a reply without a tool call ends a CLI's run
+        assert turns[-1] == DONE and len(calls) == len(turns) - 1
+
+
+# ---- outcomes, the proxy's turn limit, the step line and the alarm -----------------------------------
+def call(index: int, finish: str) -> LLMCall:
+    return LLMCall(rollout_id="r", index=index, wire_format="anthropic_messages", request={}, prompt_ids=[1, 2],
+                   completion_ids=[3, 4], completion_logprobs=[-0.1, -0.2], finish_reason=finish, weight_version=0,
+                   completion_text="xx", parent_index=None)
+
+
+def test_a_reply_cut_at_max_tokens_that_ends_the_cli_is_the_policys_failure():
+    crashed = HarnessResult(exit_status="turn_failed", n_calls=2, error="Incomplete response returned")
+    facts = EpisodeFacts(harness=crashed, proxy_calls=2)
+    outcome, reason = decide(facts, [call(0, "stop"), call(1, "length")], None)
+    assert outcome == Outcome.UNRESOLVED and "sampling.max_tokens" in reason
+    outcome, _ = decide(facts, [call(0, "length"), call(1, "stop")], None)  # the last reply was complete
+    assert outcome == Outcome.AGENT_CRASH
+
+
+def test_proxy_ends_a_codex_episode_at_its_turn_limit(tokenizer):
+    async def main():
+        engine = ScriptedEngine(tokenizer)
+        engine.set_script("r", ["one", "two", "three"])
+        async with ProxyOnLoopback(engine, tokenizer) as h:
+            s = h.proxy.open_session("r", max_calls=2)
+            client = openai.AsyncOpenAI(base_url=h.proxy.openai_base_url(s.token), api_key="x", max_retries=0)
+            for text in ("a", "b"):
+                await client.responses.create(model="m", input=text)
+            with pytest.raises(openai.BadRequestError, match="turn limit"):
+                await client.responses.create(model="m", input="c")
+            claude = anthropic.AsyncAnthropic(base_url=h.proxy.anthropic_base_url(s.token), api_key="x", max_retries=0)
+            with pytest.raises(anthropic.BadRequestError, match="turn limit"):
+                await claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "d"}])
+        return s
+
+    session = asyncio.run(main())
+    assert session.n_calls == 2 and "max_turns" in session.errors
+    done = HarnessResult(exit_status="turn_failed", n_calls=2, error="turn limit")
+    outcome, _ = decide(EpisodeFacts(harness=done, proxy_calls=2, proxy_errors=tuple(session.errors)),
+                        [call(0, "stop"), call(1, "stop")], None)
+    assert outcome == Outcome.GRADER_ERROR  # i.e. a valid episode that ended on its limit, to be graded
+    report = GraderReport(resolved=False, outcome=Outcome.UNRESOLVED, reason="hidden tests failed")
+    outcome, _ = decide(EpisodeFacts(harness=done, proxy_calls=2, proxy_errors=("max_turns",)),
+                        [call(0, "stop"), call(1, "stop")], report)
+    assert outcome == Outcome.MAX_TURNS
+
+
+def test_a_step_with_nothing_to_train_says_so_and_raises_an_alarm(tmp_path):
+    metrics = {"outcomes/context_overflow": 4.0, "outcomes/resolved": 0.0, "train/skipped": 1.0, "time/step_s": 3.0}
+    line = step_line(StepResult(0, [], metrics))
+    assert "nothing to train" in line and "nan" not in line.lower() and "context_overflow=4" in line
+    alarms = AlarmMonitor(run_dir=tmp_path).update(0, metrics)
+    (alarm,) = alarms
+    assert alarm.name == "nothing_trained" and alarm.severity == "critical"
+    assert "context_overflow=4" in alarm.message and "harness.system_prompt" in alarm.message
+    assert "nothing_trained" in (tmp_path / "alarms.jsonl").read_text()
+    assert AlarmMonitor().update(1, {**metrics, "train/skipped": 0.0}) == []

@@ -1,0 +1,52 @@
+"""The whole job at toy size through Claude Code and through Codex: teacher demos through each CLI's
+own shell tool -> SFT -> eval -> RL step -> eval, every stage recorded and every call token-exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from legorl.config import load_config
+from legorl.harness.claude_code import NPM_BIN
+from legorl.models import load_tokenizer
+from legorl.pipeline import run_job
+from legorl.store import Store
+
+WIRE = {"claude-code": ("anthropic_messages", "Bash"), "codex": ("openai_responses", "exec_command")}
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
+    cli = NPM_BIN / ("claude" if harness == "claude-code" else "codex")
+    if not cli.exists():
+        pytest.skip(f"needs the pinned {harness} CLI (make setup-test)")
+    wire, tool = WIRE[harness]
+    switches = [f"harness.system_prompt=You are a coding agent. Fix the bug with the {tool} tool, then reply Done.",
+                f"harness.tools=[{tool}]"]
+    if harness == "codex":
+        switches.append("harness.codex_config={skills.include_instructions: false, include_environment_context: false}")
+    cfg = load_config(None, [
+        f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
+        "model.intermediate_size=128", "sampling.max_tokens=48", f"harness.name={harness}", "harness.step_limit=4",
+        *switches, "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
+        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "sft.batch_sequences=1", "eval.before_training=true",
+        "eval.after_training=true", "monitor.dashboard=false",
+    ])
+    summary = asyncio.run(run_job(cfg, tmp_path))
+    assert summary["sft"]["sft/demos_resolved"] == 2, summary  # the teacher solved both through the CLI
+    assert summary["steps"] == 1
+    assert summary["heldout_pass_at_1_before_rl"] is not None and summary["heldout_pass_at_1_after_rl"] is not None
+
+    store = Store(tmp_path / "store.sqlite")
+    assert {"demo", "train", "eval-heldout"} <= {r.split for r in store.rollouts()}
+    for demo in store.rollouts(split="demo"):
+        calls = store.calls_for(demo.id)
+        assert {c.wire_format for c in calls} == {wire}
+        assert [t.name for c in calls for t in c.tool_calls] == [tool, tool]  # read, fix; then a reply ends it
+        assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]  # one token-exact chain
+    train = store.rollouts(split="train")
+    assert len(train) == 2 and all(r.outcome is not None and r.harness == harness for r in train)
+    tok = load_tokenizer(tmp_path / "tokenizer")
+    report = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    assert report["fidelity"]["violations"] == 0 and report["llm_calls"] > 0
