@@ -10,9 +10,15 @@ Same model (the built-in tiny Qwen3, or --hidden/--layers for a larger one), sam
 - ceiling: ``torch.matmul`` FLOP/s on a square fp32 matmul measured in the same process; the
   trainer's achieved FLOP/s counts 6 x (matmul parameters) per token + attention (12 x L x d x T).
 
+``--shared-prefix``: every batch is one RL group (``--batch`` rollouts sharing a ``--prompt``-token
+first prompt, ``--completion``-token continuations); legorl trains it with ``shared_prefix`` on
+(the prompt forwarded once) and off (per sequence), and TRL as above. Tokens/s counts every
+sequence's tokens, the prompt once per sequence, for all three; GFLOP/s there is per-sequence work.
+
 TRL is optional: ``pip install trl accelerate psutil --no-deps`` into the venv (keeps the CPU torch).
 
     .venv/bin/python bench/trainer.py
+    .venv/bin/python bench/trainer.py --shared-prefix --prompt 4096 --completion 256 --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ import torch
 import transformers
 
 from legorl.records import TrainingSequence
-from legorl.train.logprobs import sequence_logprobs
+from legorl.train.prefix import PrefixGroup, shared_logprobs
 from legorl.train.trainer import Trainer
 
 
-def build(vocab: int, hidden: int, layers: int) -> transformers.Qwen3ForCausalLM:
+def build(vocab: int, hidden: int, layers: int, max_positions: int = 4096) -> transformers.Qwen3ForCausalLM:
     cfg = transformers.Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -41,7 +47,7 @@ def build(vocab: int, hidden: int, layers: int) -> transformers.Qwen3ForCausalLM
         num_attention_heads=max(1, hidden // 32),
         num_key_value_heads=max(1, hidden // 64),
         head_dim=32,
-        max_position_embeddings=4096,
+        max_position_embeddings=max(4096, max_positions),
         tie_word_embeddings=True,
     )
     cfg._attn_implementation = "sdpa"
@@ -72,14 +78,27 @@ def matmul_ceiling(n: int = 1024, reps: int = 20) -> float:
 
 
 def make_batches(
-    model: torch.nn.Module, n_batches: int, batch: int, prompt: int, completion: int, vocab: int
+    model: torch.nn.Module,
+    n_batches: int,
+    batch: int,
+    prompt: int,
+    completion: int,
+    vocab: int,
+    shared: bool = False,
 ) -> list[list[TrainingSequence]]:
+    """Random token batches with the model's own logprobs; ``shared``: one prompt per batch (a group)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n_batches):
         ids = torch.randint(1, vocab, (batch, prompt + completion), generator=g)
+        groups = []
+        if shared:
+            ids[:, :prompt] = ids[0, :prompt]
+            groups = [PrefixGroup(tuple(range(batch)), prompt - 1)]  # the last one predicts a loss token
+        loss = torch.zeros(batch, prompt + completion - 1, dtype=torch.bool)
+        loss[:, prompt - 1 :] = True
         with torch.no_grad():
-            lp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)
+            lp, _ = shared_logprobs(model, ids, torch.ones_like(ids), loss, groups, 1.0)
         seqs = []
         for i in range(batch):
             mask = [0] * prompt + [1] * completion
@@ -92,8 +111,8 @@ def make_batches(
 Step = Callable[[list[TrainingSequence]], None]
 
 
-def legorl_step(model: torch.nn.Module, tokens_per_batch: int) -> Step:
-    tr = Trainer(model, lr=1e-5, micro_batch_tokens=tokens_per_batch)
+def legorl_step(model: torch.nn.Module, tokens_per_batch: int, shared_prefix: bool = True) -> Step:
+    tr = Trainer(model, lr=1e-5, micro_batch_tokens=tokens_per_batch, shared_prefix=shared_prefix)
 
     def step(seqs: list[TrainingSequence]) -> None:
         tr.train_step(seqs)
@@ -163,6 +182,19 @@ def timed(step: Step, seqs: list[TrainingSequence]) -> float:
     return time.perf_counter() - t
 
 
+def run_alternating(steps: dict[str, Step | str], batches: list, warmup: int) -> tuple[dict, list[float]]:
+    """Seconds per trainer over the timed batches; steps and matmul probes alternate, so a load change
+    on this shared machine hits every figure alike. A str step is a reason it was skipped."""
+    spent = {name: 0.0 for name in steps}
+    ceilings = []
+    for i, b in enumerate(batches):
+        for name, step in steps.items():
+            dt = timed(step, b) if not isinstance(step, str) else 0.0
+            spent[name] += dt if i >= warmup else 0.0
+        ceilings.append(matmul_ceiling(reps=5))
+    return spent, ceilings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=128)
@@ -173,41 +205,45 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--shared-prefix", action="store_true", help="each batch is a group sharing its prompt")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "legorl"))
     args = ap.parse_args()
 
-    base = build(args.vocab, args.hidden, args.layers)
-    batches = make_batches(
-        base, args.steps + args.warmup, args.batch, args.prompt, args.completion, args.vocab
-    )
     seq_len = args.prompt + args.completion
-    flops_per_batch = train_flops(base, args.batch, seq_len)
-    tokens_per_batch = args.batch * seq_len
 
-    # Steps of the two trainers and matmul probes alternate, so a load change on this shared machine
-    # hits every figure alike.
-    ours_step = legorl_step(build(args.vocab, args.hidden, args.layers), tokens_per_batch)
-    tmp = tempfile.TemporaryDirectory()
-    trl = trl_step(
-        build(args.vocab, args.hidden, args.layers),
+    def model() -> transformers.Qwen3ForCausalLM:
+        return build(args.vocab, args.hidden, args.layers, seq_len)
+
+    base = model()
+    batches = make_batches(
+        base,
+        args.steps + args.warmup,
         args.batch,
         args.prompt,
         args.completion,
-        Path(args.cache_dir),
-        tmp.name,
+        args.vocab,
+        shared=args.shared_prefix,
     )
-    t_ours = t_trl = 0.0
-    ceilings = []
-    for i, b in enumerate(batches):
-        a = timed(ours_step, b)
-        c = timed(trl, b) if not isinstance(trl, str) else 0.0
-        ceilings.append(matmul_ceiling(reps=5))
-        if i >= args.warmup:
-            t_ours, t_trl = t_ours + a, t_trl + c
+    flops_per_batch = train_flops(base, args.batch, seq_len)
+    tokens_per_batch = args.batch * seq_len
+
+    tmp = tempfile.TemporaryDirectory()
+    steps: dict[str, Step | str] = {}
+    if args.shared_prefix:
+        steps["legorl, shared_prefix on"] = legorl_step(model(), tokens_per_batch, shared_prefix=True)
+        steps["legorl, shared_prefix off"] = legorl_step(model(), tokens_per_batch, shared_prefix=False)
+    else:
+        steps["legorl Trainer.train_step"] = legorl_step(model(), tokens_per_batch)
+    steps["TRL GRPOTrainer (loss+step)"] = trl_step(
+        model(), args.batch, args.prompt, args.completion, Path(args.cache_dir), tmp.name
+    )
+    spent, ceilings = run_alternating(steps, batches, args.warmup)
     tmp.cleanup()
     ceiling = max(ceilings)
-    ours = args.steps * tokens_per_batch / t_ours
-    trl_tps = args.steps * tokens_per_batch / t_trl if not isinstance(trl, str) else trl
+    tps = {
+        n: step if isinstance(step, str) else args.steps * tokens_per_batch / spent[n]
+        for n, step in steps.items()
+    }
 
     def achieved(tps: float) -> float:
         return tps / tokens_per_batch * flops_per_batch
@@ -215,23 +251,23 @@ def main() -> None:
     print(
         f"model: Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} "
         f"({matmul_flops(base) / 1e6:.2f}M matmul params); batch {args.batch} x ({args.prompt} prompt + "
-        f"{args.completion} completion) tokens, {args.steps} timed steps, fp32, "
-        f"{torch.get_num_threads()} threads"
+        f"{args.completion} completion) tokens{', one shared prompt per batch' if args.shared_prefix else ''}, "
+        f"{args.steps} timed steps, fp32, {torch.get_num_threads()} threads"
     )
     print(f"matmul ceiling (1024^3 fp32, best probe): {ceiling / 1e9:.1f} GFLOP/s\n")
+    if args.shared_prefix:
+        print("GFLOP/s counts per-sequence work: forwarding the prompt once does less, so it can pass 100%")
     print(f"{'trainer':<28} {'tokens/s':>10} {'GFLOP/s':>9} {'of ceiling':>11}")
-    print(
-        f"{'legorl Trainer.train_step':<28} {ours:>10.0f} {achieved(ours) / 1e9:>9.2f} "
-        f"{achieved(ours) / ceiling:>11.1%}"
-    )
-    if isinstance(trl_tps, str):
-        print(f"{'TRL GRPOTrainer':<28} {trl_tps}")
-    else:
-        print(
-            f"{'TRL GRPOTrainer (loss+step)':<28} {trl_tps:>10.0f} {achieved(trl_tps) / 1e9:>9.2f} "
-            f"{achieved(trl_tps) / ceiling:>11.1%}"
-        )
-        print(f"\nlegorl / TRL tokens/s: {ours / trl_tps:.2f}x")
+    for name, v in tps.items():
+        if isinstance(v, str):
+            print(f"{name:<28} {v}")
+        else:
+            print(f"{name:<28} {v:>10.0f} {achieved(v) / 1e9:>9.2f} {achieved(v) / ceiling:>11.1%}")
+    print()
+    names = list(tps)
+    for other in names[1:]:
+        if not isinstance(tps[other], str):
+            print(f"{names[0]} / {other} tokens/s: {tps[names[0]] / tps[other]:.2f}x")
     print(
         f"matmul probes: {min(ceilings) / 1e9:.1f}-{ceiling / 1e9:.1f} GFLOP/s; load average {os.getloadavg()[0]:.1f}"
     )

@@ -238,3 +238,12 @@ def test_fallbacks() -> None:
     assert not Trainer(tiny_model(), shared_prefix=False).shared_prefix
     assert not Trainer(tiny_model(), gradient_checkpointing=True).shared_prefix
     assert Trainer(tiny_model()).shared_prefix
+
+
+def test_a_group_over_a_loss_token_is_refused() -> None:
+    model = tiny_model()
+    seqs = grouped_batch(model, groups=1, size=2)
+    mb = collate(seqs, [0, 1], 0, CPU)
+    too_long = [PrefixGroup((0, 1), 82)]  # token 82 is a loss token: its logit is at position 81
+    with pytest.raises(ValueError, match="loss tokens"):
+        shared_logprobs(model, mb.input_ids, mb.attention_mask, mb.mask, too_long, TEMP)
