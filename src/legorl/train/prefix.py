@@ -11,7 +11,7 @@ continuations' gradients into the prefix, which is what per-sequence training co
 The prefix is cut before the token that predicts a sequence's first loss token, so every trained
 logit lives in a continuation and the prefix forward needs no lm_head at all.
 
-Fallbacks (the trainer decides, see ``Trainer._shared_prefix_on``; all give the per-sequence path):
+Fallbacks (``Trainer.shared_prefix`` is the effective switch; each gives the per-sequence path):
 - no group found (no common prefix of ``min_len`` tokens before the first loss token);
 - a model without HF ``logits_to_keep``, a KV-cache argument and ``base_model`` (``supports``);
 - routing replay (routes are recorded and forced per padded position of the whole sequence);

@@ -206,12 +206,14 @@ class Trainer:
         ]
 
     def _logprobs(
-        self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False, temperature: float | None = None
+        self, model: torch.nn.Module, mb: Micro, entropy_grad: bool = False, plain: bool = False
     ) -> tuple[Tensor, Tensor]:
         """Trainer logprobs/entropy at mb's loss positions (0 elsewhere: no vocab-sized work there).
 
         The one forward of every pass; mb.groups (empty: per-sequence) share their prefixes.
+        ``plain``: the model's own distribution (temperature 1, no top-k/top-p), for SFT.
         """
+        sampling = (1.0, 1.0, 0) if plain else (self.temperature, self.top_p, self.top_k)
         with dist.autocast(self.device, self.autocast_dtype):
             return shared.shared_logprobs(
                 model,
@@ -219,10 +221,10 @@ class Trainer:
                 mb.attention_mask,
                 mb.mask,
                 mb.groups,
-                self.temperature if temperature is None else temperature,
-                self.top_p if temperature is None else 1.0,
+                sampling[0],
+                sampling[1],
                 entropy_grad=entropy_grad,
-                top_k=self.top_k if temperature is None else 0,
+                top_k=sampling[2],
             )
 
     def _old_pass(self, mb: Micro, stats: ReplayStats) -> None:
@@ -421,7 +423,7 @@ class Trainer:
         micros = self._micro_plan(sequences, list(range(len(sequences))), routes=False)  # SFT never replays
         for j, mb in enumerate(micros):
             with dist.no_sync_if_sharded(self.model, j == len(micros) - 1):
-                logp, _ = self._logprobs(self.model, mb, temperature=1.0)  # plain cross-entropy
+                logp, _ = self._logprobs(self.model, mb, plain=True)
             loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
             loss.backward()
             loss_total += float(loss.detach())
