@@ -198,3 +198,19 @@ def test_a_step_with_nothing_to_train_says_so_and_raises_an_alarm(tmp_path):
     assert "context_overflow=4" in alarm.message and "harness.system_prompt" in alarm.message
     assert "nothing_trained" in (tmp_path / "alarms.jsonl").read_text()
     assert AlarmMonitor().update(1, {**metrics, "train/skipped": 0.0}) == []
+
+
+def test_a_list_of_harnesses_takes_each_key_where_it_is_honoured():
+    cfg = load_config(None, ["harness.name=[mini-swe-agent, codex]", "harness.system_prompt=Short.",
+                             "harness.system_template=T", "harness.overrides={codex: {tools: [exec_command]}}"])
+    mini, codex = (cfg.harness.for_harness(n) for n in cfg.harness.names)
+    assert (mini.system_template, mini.system_prompt, mini.tools) == ("T", None, None)
+    assert (codex.system_template, codex.system_prompt, codex.tools) == (None, "Short.", ["exec_command"])
+    with pytest.raises(ConfigError, match="not honoured by mini-swe-agent"):
+        load_config(None, ["harness.name=[mini-swe-agent, codex]", "harness.overrides={mini-swe-agent: {tools: [x]}}"])
+    with pytest.raises(ConfigError, match="claude-code is not in harness.name"):
+        load_config(None, ["harness.name=[mini-swe-agent, codex]", "harness.overrides={claude-code: {tools: [x]}}"])
+    with pytest.raises(ConfigError, match="harness.system_prompt is not honoured by mini-swe-agent"):
+        load_config(None, ["harness.name=[mini-swe-agent]", "harness.system_prompt=x"])
+    with pytest.raises(ConfigError, match="distinct"):
+        load_config(None, ["harness.name=[codex, codex]"])

@@ -50,3 +50,31 @@ def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
     tok = load_tokenizer(tmp_path / "tokenizer")
     report = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
     assert report["fidelity"]["violations"] == 0 and report["llm_calls"] > 0
+
+
+def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir):
+    if not (NPM_BIN / "claude").exists() or not (NPM_BIN / "codex").exists():
+        pytest.skip("needs the pinned Claude Code and Codex CLIs (make setup-test)")
+    names = ["mini-swe-agent", "claude-code", "codex"]
+    cfg = load_config(None, [
+        f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
+        "model.intermediate_size=128", "sampling.max_tokens=48", f"harness.name=[{', '.join(names)}]",
+        "harness.step_limit=4", "harness.system_prompt=You are a coding agent. Fix the bug, then reply Done.",
+        "harness.overrides={claude-code: {tools: [Bash]}, codex: {tools: [exec_command]}}",
+        "tasks.n_train=6", "tasks.n_heldout=1", "rollout.tasks_per_step=3", "rollout.group_size=2",
+        "sft.enabled=true", "sft.demos=3", "sft.epochs=1", "sft.batch_sequences=1", "eval.before_training=true",
+        "eval.after_training=true", "monitor.dashboard=false",
+    ])
+    summary = asyncio.run(run_job(cfg, tmp_path))
+    assert summary["sft"]["sft/demos_resolved"] == 3
+    store = Store(tmp_path / "store.sqlite")
+    for split, per_harness in (("demo", 1), ("train", 2), ("eval-heldout", 2)):  # eval: before and after
+        counts = {n: len([r for r in store.rollouts(split=split) if r.harness == n]) for n in names}
+        assert counts == dict.fromkeys(names, per_harness), (split, counts)
+    assert set(summary["per_harness"]) == set(names)
+    for row in summary["per_harness"].values():
+        assert row["pass_at_1_before_rl"] is not None and row["pass_at_1_after_rl"] is not None
+        for when in ("before_rl", "after_rl"):  # what RL is known to shift, per harness
+            assert {"turns_per_rollout", "text_only_turn_rate", "tool_calls_per_turn"} <= set(row[f"behaviour_{when}"])
+    before = [summary["per_harness"][n]["pass_at_1_before_rl"] for n in names]
+    assert summary["heldout_pass_at_1_before_rl"] == pytest.approx(sum(before) / 3)

@@ -97,7 +97,9 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
 
 
 class HarnessConfig(_Section):
-    name: HarnessName = "mini-swe-agent"
+    # One harness, or a list: each RL group runs one of them in turn, the trainer learns from all,
+    # and evaluation reports each harness (docs/harnesses/README.md).
+    name: HarnessName | list[HarnessName] = "mini-swe-agent"
     # mini-swe-agent: model calls; claude-code: --max-turns; codex (no such switch): the proxy ends
     # the episode as max_turns when the harness asks for one call more.
     step_limit: int = Field(6, gt=0)
@@ -112,16 +114,44 @@ class HarnessConfig(_Section):
     tools: list[str] | None = None  # claude-code: --tools; codex: every other tool switched off in config.toml
     extra_args: list[str] = Field(default_factory=list)  # more command-line arguments for the CLI
     codex_config: dict[str, Any] = Field(default_factory=dict)  # codex: more config.toml keys (dotted)
+    # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
+    overrides: dict[HarnessName, dict[str, Any]] = Field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name] if isinstance(self.name, str) else list(self.name)
+
+    def for_harness(self, name: str) -> HarnessConfig:
+        """The settings of one harness of the list: the keys it honours, then its `overrides`."""
+        data = {k: getattr(self, k) for k in self.model_fields_set - {"name", "overrides"}
+                if name in _HARNESS_ONLY_KEYS.get(k, {name})}
+        return HarnessConfig.model_validate({**data, **self.overrides.get(name, {}), "name": name})
 
     @model_validator(mode="after")
     def _honoured(self) -> HarnessConfig:
+        names = self.names
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"harness.name: give one harness or a list of distinct ones (got {self.name!r})")
         for key in sorted(self.model_fields_set & set(_HARNESS_ONLY_KEYS)):
             allowed = _HARNESS_ONLY_KEYS[key]
-            if self.name not in allowed:
+            if not allowed & set(names):  # in a list, a key applies to the harnesses that honour it
                 hint = {"system_template": "; Claude Code and Codex take harness.system_prompt",
                         "system_prompt": "; mini-swe-agent takes harness.system_template"}.get(key, "")
-                raise ValueError(f"harness.{key} is not honoured by {self.name} (only by {', '.join(sorted(allowed))})"
-                                 f"{hint}")
+                raise ValueError(f"harness.{key} is not honoured by {', '.join(names)} (only by "
+                                 f"{', '.join(sorted(allowed))}){hint}")
+        if isinstance(self.name, list):
+            for name, keys in self.overrides.items():
+                if name not in names:
+                    raise ValueError(f"harness.overrides.{name}: {name} is not in harness.name {names}")
+                if "name" in keys or "overrides" in keys:
+                    raise ValueError(f"harness.overrides.{name} sets harness keys, not name or overrides")
+            for name in names:
+                try:
+                    self.for_harness(name)
+                except ValidationError as e:
+                    raise ValueError(f"harness.overrides.{name}: {e.errors()[0]['msg']}") from None
+        elif self.overrides:
+            raise ValueError("harness.overrides is for a list of harnesses; with one, set its keys directly")
         return self  # tool names are checked by the harness that knows them (harness/codex.py)
 
 
@@ -307,6 +337,12 @@ class Config(_Section):
     faults: FaultsConfig = FaultsConfig()
     monitor: MonitorConfig = MonitorConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _one_harness_with_ray(self) -> Config:
+        if self.ray.address is not None and len(self.harness.names) > 1:
+            raise ValueError("harness.name: a list of harnesses runs without Ray for now (ray.address: null)")
+        return self
 
 
 def _parse_value(text: str) -> Any:

@@ -39,7 +39,7 @@ from legorl.records import Outcome, Rollout, TrainingSequence
 from legorl.rollout.builders import (
     hidden_paths,
     make_context,
-    make_harness,
+    make_harnesses,
     make_proxy,
     make_remote_engine,
     make_teacher,
@@ -127,7 +127,7 @@ class Driver:
         ray_mode = cfg.ray.address is not None
         # With Ray, the proxies, harnesses and sandboxes live on the rollout workers (rollout/cluster.py).
         # Built first: a harness switch it cannot honour fails before anything starts.
-        self.harness = None if ray_mode else make_harness(cfg, self.run_dir / "logs")
+        self.harnesses = {} if ray_mode else make_harnesses(cfg, self.run_dir / "logs")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await reap_orphans(self.run_dir / "sandboxes")  # leftovers of a killed earlier run
         if cfg.engine.torch_threads:
@@ -166,8 +166,8 @@ class Driver:
         if m.dashboard:
             url, self.stop_dashboard = await serve_dashboard(self.run_dir, m.host, m.port, m.token, m.alarms)
             console.print(f"dashboard: [bold]{url}[/]")
-        if self.harness is not None:
-            await self.harness.start()
+        for harness in self.harnesses.values():
+            await harness.start()
         if self.resume:
             await self._restore()
         hide = hidden_paths(cfg, self.run_dir, self.cache_dir)
@@ -183,7 +183,7 @@ class Driver:
             self.runner = GroupRunner(self.cluster.run_episode, policies, concurrency=r.concurrency,
                                       max_retries=r.max_retries, backoff=r.retry_backoff)
         else:
-            self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harness, store=self.store,
+            self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harnesses, store=self.store,
                                     run_dir=self.run_dir, label=self.label, hide_paths=hide)
             self.runner = GroupRunner.local(self.ctx, concurrency=r.concurrency, max_retries=r.max_retries,
                                             backoff=r.retry_backoff)
@@ -234,7 +234,7 @@ class Driver:
 
     async def __aexit__(self, *exc: object) -> None:
         self.loggers.close()
-        parts = [self.cluster, self.harness]  # the cluster with Ray, the harness without
+        parts = [self.cluster, *self.harnesses.values()]  # the cluster with Ray, the harnesses without
         closers = [p.close for p in parts if p is not None]
         closers += [self.proxy.stop] if self.proxy is not None else []
         closers.append(self.engine.close)
@@ -287,12 +287,20 @@ class Driver:
                             console=console, transient=True, disable=not console.is_terminal)
         return progress, progress.add_task(label, total=total)
 
-    async def rollouts(self, tasks: list[Task], step: int, samples: int, split: str) -> list[Rollout]:
-        """Every sample of every task, to completion (evaluation and demonstrations)."""
+    def several_harnesses(self) -> list[str] | None:
+        """harness.name's list when it names more than one harness, else None (the one harness)."""
+        names = self.cfg.harness.names
+        return names if len(names) > 1 else None
+
+    async def rollouts(self, tasks: list[Task], step: int, samples: int, split: str,
+                       harnesses: list[str | None] | None = None) -> list[Rollout]:
+        """Every sample of every task, to completion (evaluation and demonstrations); task i through
+        harnesses[i] (default: the run's first harness)."""
         progress, bar = self._progress(f"step {step} {split} rollouts", len(tasks) * samples)
         with progress:
             groups, stats = await self.runner.all_groups(tasks, step, samples, split,
-                                                         on_rollout=lambda _: progress.advance(bar))
+                                                         on_rollout=lambda _: progress.advance(bar),
+                                                         harnesses=harnesses)
         for err in stats.errors:
             console.print(f"[red]rollout failed unexpectedly: {err}")
         return [r for g in groups for r in g]
@@ -310,7 +318,8 @@ class Driver:
         with progress:
             groups, stats = await self.runner.train_groups(
                 self.tasks_for_step(step), r.tasks_per_step, step, r.group_size, oversample=r.oversample_groups,
-                refills=r.zero_variance_refills, advantage=self.cfg.trainer.advantage, on_rollout=on_rollout)
+                refills=r.zero_variance_refills, advantage=self.cfg.trainer.advantage, on_rollout=on_rollout,
+                harnesses=self.several_harnesses())
         if r.prioritize:
             self.family_counts(finished)
         for err in stats.errors:
@@ -375,15 +384,18 @@ class Driver:
 
     # ---- teacher demonstrations and SFT ----------------------------------------------------------
     async def collect_demos(self, n: int) -> list[Rollout]:
-        """Run the real harness with a teacher: the gold fix played by the scripted engine, or an upstream model."""
+        """Run the real harness with a teacher: the gold fix played by the scripted engine, or an upstream model.
+        With several harnesses, the demonstrations take them in turn."""
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
+        names = self.several_harnesses()
+        harnesses = [names[i % len(names)] for i in range(n)] if names else None
         if self.cluster is not None:  # every Ray worker's proxy answers with the teacher meanwhile
             async with self.cluster.teacher(self.cfg.sft):
                 return await self.rollouts(tasks, step=-1, samples=1, split="demo")
-        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer, self.cfg.harness.name)
+        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer)
         policy_engine, self.proxy.engine = self.proxy.engine, teacher
         try:
-            demos = await self.rollouts(tasks, step=-1, samples=1, split="demo")
+            demos = await self.rollouts(tasks, step=-1, samples=1, split="demo", harnesses=harnesses)
         finally:
             self.proxy.engine, self.ctx.script_for = policy_engine, None
             await teacher.close()
@@ -394,7 +406,7 @@ class Driver:
         c = self.cfg.sft
         if not c.recovery_demos:  # only the scripted teacher slips (the config refuses it for others)
             return {}
-        script = scripted_teacher(c.check_edits, c.recovery_demos, self.cfg.harness.name)
+        script = scripted_teacher(c.check_edits, c.recovery_demos)
         tasks = {t.instance_id: t for t in self.train_tasks}
         return {r.id: {i for i, turn in enumerate(script(tasks[r.task_id])) if isinstance(turn, Slip)}
                 for r in demos if r.task_id in tasks}
@@ -452,12 +464,23 @@ class Driver:
     # ---- evaluation -------------------------------------------------------------------------------
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
                        split: str | None = None) -> dict[str, float]:
-        """pass@1 (mean resolved rate) and pass@k (any of k samples resolved) on a split."""
+        """pass@1 (mean resolved rate) and pass@k (any of k samples resolved) on a split, through each
+        harness: `eval/SPLIT/HARNESS/...` with its behaviour, and `eval/SPLIT/...` over all of them."""
         split = split or self.cfg.eval.split
         tasks = tasks if tasks is not None else (self.heldout_tasks if split == "heldout" else self.train_tasks)
         k = samples or self.cfg.eval.samples
-        rollouts = await self.rollouts(tasks, step, k, f"eval-{split}")
-        return eval_metrics(rollouts, k, prefix=f"eval/{split}/")
+        names = self.cfg.harness.names
+        per_task = [name for name in names for _ in tasks]
+        rollouts = await self.rollouts(tasks * len(names), step, k, f"eval-{split}",
+                                       harnesses=per_task if len(names) > 1 else None)
+        by_harness = {name: [r for r in rollouts if r.harness == name] for name in names}
+        m = eval_metrics(rollouts, k, prefix=f"eval/{split}/")
+        for name, rs in by_harness.items():
+            m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
+            m.update({f"eval/{split}/{name}/{key}": v for key, v in behaviour_metrics(rs).items()})
+        for key in ("pass_at_1", f"pass_at_{k}"):  # each harness weighs the same
+            m[f"eval/{split}/{key}"] = sum(m[f"eval/{split}/{name}/{key}"] for name in names) / len(names)
+        return m
 
     async def train(self) -> list[StepResult]:
         results = []
@@ -504,9 +527,26 @@ class Driver:
             f"{self.cfg.eval.split}_pass_at_1_after_rl": summary.get("after_rl", {}).get(key),
             "steps": len(self.store.step_numbers()),
             "wall_time_s": summary.get("wall_time_s", 0.0) + time.time() - t0,
+            "per_harness": per_harness(summary, self.cfg.eval.split, self.cfg.harness.names),
         })
         save()
         return summary
+
+
+def per_harness(summary: dict[str, Any], split: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each harness's held-out pass@1 and behaviour (turns, verification after edit, text-only turns...)
+    before and after RL, from the evaluations in `summary`."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        prefix = f"eval/{split}/{name}/"
+        row: dict[str, Any] = {}
+        for when in ("before_rl", "after_rl"):
+            m = summary.get(when, {})
+            row[f"pass_at_1_{when}"] = m.get(prefix + "pass_at_1")
+            row[f"behaviour_{when}"] = {k.removeprefix(prefix + "behaviour/"): v for k, v in m.items()
+                                        if k.startswith(prefix + "behaviour/")}
+        out[name] = row
+    return out
 
 
 def eval_metrics(rollouts: list[Rollout], k: int, prefix: str) -> dict[str, float]:
@@ -523,9 +563,14 @@ def eval_metrics(rollouts: list[Rollout], k: int, prefix: str) -> dict[str, floa
 
 
 def eval_line(name: str, m: dict[str, float]) -> str:
-    p1 = next((v for k, v in m.items() if k.endswith("pass_at_1")), 0.0)
-    outcomes = ", ".join(f"{k.rsplit('/', 1)[1]}={int(v)}" for k, v in m.items() if "/outcomes/" in k)
-    return f"{name}: pass@1 {p1:.3f}  [{outcomes}]"
+    """`before RL: pass@1 0.312  [resolved=..]`, and each harness's pass@1 when there are several."""
+    split_keys = {k: v for k, v in m.items() if k.count("/") == 2}  # eval/SPLIT/pass_at_1, not eval/SPLIT/HARNESS/..
+    p1 = next((v for k, v in split_keys.items() if k.endswith("pass_at_1")), 0.0)
+    outcomes = ", ".join(f"{k.rsplit('/', 1)[1]}={int(v)}" for k, v in m.items()
+                         if k.count("/") == 3 and "/outcomes/" in k)
+    harnesses = {k.split("/")[2]: v for k, v in m.items() if k.count("/") == 3 and k.endswith("/pass_at_1")}
+    each = "  " + ", ".join(f"{h} {v:.3f}" for h, v in harnesses.items()) if len(harnesses) > 1 else ""
+    return f"{name}: pass@1 {p1:.3f}  [{outcomes}]{each}"
 
 
 def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from legorl.config import Config, ConfigError, SFTConfig
+from legorl.config import Config, ConfigError, HarnessConfig, SFTConfig
 from legorl.harness.base import Harness
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import LLMCall
@@ -22,13 +22,18 @@ from legorl.store import Store
 from legorl.tasks import Task
 
 
-def make_harness(cfg: Config, log_dir: Path) -> Harness:
-    """The configured harness: mini-swe-agent (Python API in a worker), or a CLI run inside the sandbox."""
+def make_harnesses(cfg: Config, log_dir: Path) -> dict[str, Harness]:
+    """Every configured harness by name (one, or each of harness.name's list), in the config's order."""
+    return {name: make_harness(cfg, log_dir, cfg.harness.for_harness(name)) for name in cfg.harness.names}
+
+
+def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> Harness:
+    """A harness (the configured one, or `h`): mini-swe-agent (Python API in a worker), or a CLI in the sandbox."""
     from legorl.harness.claude_code import ClaudeCodeHarness
     from legorl.harness.codex import CodexHarness
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 
-    h = cfg.harness
+    h = h or cfg.harness
     kw: dict[str, Any] = {"instance_template": h.instance_template} if h.instance_template else {}
     if h.name in ("claude-code", "codex"):
         kw.update(system_prompt=h.system_prompt, append_system_prompt=h.append_system_prompt, tools=h.tools,
@@ -62,9 +67,8 @@ def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
                vocab_size=len(tokenizer))
 
 
-def make_teacher(c: SFTConfig, tokenizer: Any, harness: str = "mini-swe-agent"
-                 ) -> tuple[Any, Callable[[Task], list[str]] | None]:
-    """The SFT teacher engine and, for the scripted teacher, the script it plays per task through `harness`."""
+def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task, str], list[str]] | None]:
+    """The SFT teacher engine and, for the scripted teacher, the script it plays per (task, harness name)."""
     from legorl.engine.scripted import ScriptedEngine
     from legorl.engine.upstream import UpstreamEngine
     from legorl.tasks.teacher import scripted_teacher
@@ -73,7 +77,7 @@ def make_teacher(c: SFTConfig, tokenizer: Any, harness: str = "mini-swe-agent"
         if not (c.teacher_url and c.teacher_model):
             raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
         return UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer), None
-    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos, harness)
+    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos)
 
 
 def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:
@@ -84,11 +88,12 @@ def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:
     return hide
 
 
-def make_context(cfg: Config, *, proxy: Proxy, harness: Harness, store: Store, run_dir: Path, label: str,
-                 hide_paths: list[Path]) -> EpisodeContext:
+def make_context(cfg: Config, *, proxy: Proxy, harness: Harness | dict[str, Harness], store: Store, run_dir: Path,
+                 label: str, hide_paths: list[Path]) -> EpisodeContext:
     """The long-lived parts an episode uses; sandboxes go under `run_dir / "sandboxes"`."""
     r = cfg.rollout
-    return EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=run_dir, label=label,
+    harnesses = harness if isinstance(harness, dict) else {harness.name: harness}
+    return EpisodeContext(proxy=proxy, harnesses=harnesses, store=store, run_dir=run_dir, label=label,
                           hide_paths=hide_paths, agent_timeout=r.agent_timeout,
                           grading_timeout=r.grading_timeout, policies=resolve_policies(r.policies),
                           faults=cfg.faults, limits=SandboxLimits.from_dict(cfg.sandbox.limits),

@@ -151,7 +151,7 @@ class RolloutWorker:
 
     async def use_teacher(self, sft: dict[str, Any]) -> None:
         """Teacher demonstrations: the proxy answers with the SFT teacher until use_policy()."""
-        teacher, self.ctx.script_for = make_teacher(SFTConfig.model_validate(sft), self.tokenizer, self.cfg.harness.name)
+        teacher, self.ctx.script_for = make_teacher(SFTConfig.model_validate(sft), self.tokenizer)
         self._policy, self.proxy.engine = self.proxy.engine, teacher
 
     async def use_policy(self) -> None:
@@ -268,9 +268,12 @@ class RayCluster:
             self.store.add_call(call)
 
     async def run_episode(self, task: Task, *, step: int, group_id: str, sample_index: int,
-                          split: str) -> Rollout:
-        """One episode on the least-busy worker (a `RunEpisode` for the GroupRunner)."""
+                          split: str, harness: str | None = None) -> Rollout:
+        """One episode on the least-busy worker (a `RunEpisode` for the GroupRunner); one harness per run."""
         import ray
+
+        if harness not in (None, self.cfg.harness.name):  # the config refuses a list of harnesses with Ray
+            raise ValueError(f"Ray workers run {self.cfg.harness.name}, not {harness}")
 
         worker = self._pick()
         rid = new_rollout_id(step, task.instance_id, sample_index)

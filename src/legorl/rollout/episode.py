@@ -37,7 +37,7 @@ class EpisodeContext:
     """The long-lived parts a rollout uses (owned by the driver)."""
 
     proxy: Proxy
-    harness: Harness
+    harnesses: dict[str, Harness]  # by name; the first is the default
     store: Store
     run_dir: Path
     label: str  # the run's label on every sandbox, for reaping
@@ -45,8 +45,8 @@ class EpisodeContext:
     grading_timeout: float
     hide_paths: list[Path] = field(default_factory=list)  # invisible inside sandboxes (run dir, task files)
     keep_workspaces: bool = False
-    # Teacher episodes: the scripted engine plays this script for each rollout of a task.
-    script_for: Callable[[Task], list[str]] | None = None
+    # Teacher episodes: the scripted engine plays this script for each rollout of (task, harness name).
+    script_for: Callable[[Task, str], list[str]] | None = None
     policies: dict[Outcome, Policy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     limits: SandboxLimits | None = None  # None: the sandbox's defaults
@@ -54,18 +54,26 @@ class EpisodeContext:
     require_submit: bool = True  # only a submitted episode can be resolved (outcomes.decide)
 
 
+def _harness(ctx: EpisodeContext, name: str | None) -> Harness:
+    if name is None:
+        return next(iter(ctx.harnesses.values()))
+    if name not in ctx.harnesses:
+        raise ValueError(f"no harness {name!r} in this run (harness.name: {list(ctx.harnesses)})")
+    return ctx.harnesses[name]
+
+
 def new_rollout_id(step: int, task_id: str, sample: int) -> str:
     return f"s{step}-{task_id}-{sample}-{uuid.uuid4().hex[:6]}"
 
 
-async def _run_harness(ctx: EpisodeContext, run: HarnessRun, plan: FaultPlan) -> HarnessResult:
+async def _run_harness(ctx: EpisodeContext, harness: Harness, run: HarnessRun, plan: FaultPlan) -> HarnessResult:
     if "harness_hang" in plan:
         await asyncio.sleep(ctx.agent_timeout + 60)  # the deadline fires first
     if "harness_crash" in plan:
         raise HarnessCrashed("injected fault: the harness process died")
     if "no_model_calls" in plan:
         return HarnessResult(exit_status="Submitted", n_calls=0)
-    return await ctx.harness.run(run)
+    return await harness.run(run)
 
 
 async def _diff(sandbox: BwrapSandbox, plan: FaultPlan) -> str:
@@ -87,15 +95,17 @@ async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, pla
 
 
 async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: str, sample_index: int,
-                      split: str = "train", rollout_id: str | None = None) -> Rollout:
-    """`rollout_id`: given by a caller that records the rollout elsewhere too (the Ray driver)."""
+                      split: str = "train", rollout_id: str | None = None, harness: str | None = None) -> Rollout:
+    """`rollout_id`: given by a caller that records the rollout elsewhere too (the Ray driver).
+    `harness`: which of the run's harnesses plays the episode (default: the first)."""
     rid = rollout_id or new_rollout_id(step, task.instance_id, sample_index)
+    agent = _harness(ctx, harness)
     rollout = Rollout(id=rid, step=step, task_id=task.instance_id, group_id=group_id, sample_index=sample_index,
-                      harness=ctx.harness.name, split=split,
+                      harness=agent.name, split=split,
                       weight_version_start=ctx.proxy.engine.weight_version)
     ctx.store.upsert_rollout(rollout)
     if ctx.script_for is not None:
-        ctx.proxy.engine.set_script(rid, ctx.script_for(task))
+        ctx.proxy.engine.set_script(rid, ctx.script_for(task, agent.name))
     plan = plan_for(ctx.faults, rid)
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)
@@ -118,7 +128,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
 
         if sandbox is not None:
             t1 = time.time()
-            session = ctx.proxy.open_session(rid, max_calls=getattr(ctx.harness, "max_calls", None))
+            session = ctx.proxy.open_session(rid, max_calls=getattr(agent, "max_calls", None))
             run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
                              api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
                              model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket),
@@ -126,7 +136,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             if "sandbox_killed" in plan:
                 killer = asyncio.create_task(kill_later(sandbox, random.Random(rid)))
             try:
-                facts.harness = await asyncio.wait_for(_run_harness(ctx, run, plan), timeout=ctx.agent_timeout)
+                facts.harness = await asyncio.wait_for(_run_harness(ctx, agent, run, plan), timeout=ctx.agent_timeout)
             except TimeoutError:
                 facts.timed_out = True
             except HarnessCrashed as e:

@@ -32,7 +32,7 @@ class RunEpisode(Protocol):
     """Runs one rollout to its recorded end (`run_episode` without the context)."""
 
     def __call__(self, task: Task, *, step: int, group_id: str, sample_index: int,
-                 split: str) -> Awaitable[Rollout]: ...
+                 split: str, harness: str | None = None) -> Awaitable[Rollout]: ...
 
 
 @dataclass
@@ -73,12 +73,14 @@ class GroupRunner:
         return cls(functools.partial(run_episode, ctx), ctx.policies, concurrency=concurrency,
                    max_retries=max_retries, backoff=backoff)
 
-    async def _one(self, task: Task, step: int, sample: int, split: str, stats: GroupStats) -> Rollout:
+    async def _one(self, task: Task, step: int, sample: int, split: str, stats: GroupStats,
+                   harness: str | None = None) -> Rollout:
         attempt = 0
+        group_id = f"{step}:{split}:{task.instance_id}" + (f":{harness}" if harness else "")
         while True:
             async with self.sem:
-                r = await self.run(task, step=step, group_id=f"{step}:{split}:{task.instance_id}",
-                                   sample_index=sample, split=split)
+                r = await self.run(task, step=step, group_id=group_id, sample_index=sample, split=split,
+                                   harness=harness)
             if self.policies.get(r.outcome) != "retry" or attempt >= self.max_retries:
                 return r
             attempt += 1
@@ -86,9 +88,10 @@ class GroupRunner:
             await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
 
     async def group(self, task: Task, step: int, samples: int, split: str, stats: GroupStats,
-                    on_rollout: Callable[[Rollout], None] | None = None) -> list[Rollout]:
+                    on_rollout: Callable[[Rollout], None] | None = None, harness: str | None = None) -> list[Rollout]:
+        """`samples` rollouts of one task, all through one harness (`None`: the run's first)."""
         async def one(i: int) -> Rollout:
-            r = await self._one(task, step, i, split, stats)
+            r = await self._one(task, step, i, split, stats, harness)
             if on_rollout is not None:
                 on_rollout(r)
             return r
@@ -106,19 +109,22 @@ class GroupRunner:
         return out
 
     async def all_groups(self, tasks: list[Task], step: int, samples: int, split: str,
-                         on_rollout: Callable[[Rollout], None] | None = None) -> tuple[list[list[Rollout]],
-                                                                                        GroupStats]:
-        """Every group to completion (evaluation, demonstrations)."""
+                         on_rollout: Callable[[Rollout], None] | None = None,
+                         harnesses: list[str | None] | None = None) -> tuple[list[list[Rollout]], GroupStats]:
+        """Every group to completion (evaluation, demonstrations); group i runs through harnesses[i]."""
         stats = GroupStats(started=len(tasks))
-        groups = await asyncio.gather(*(self.group(t, step, samples, split, stats, on_rollout) for t in tasks))
+        chosen = harnesses or [None] * len(tasks)
+        groups = await asyncio.gather(*(self.group(t, step, samples, split, stats, on_rollout, h)
+                                        for t, h in zip(tasks, chosen, strict=True)))
         stats.kept = len(groups)
         return list(groups), stats
 
     async def train_groups(self, pool: list[Task], want: int, step: int, samples: int, *, oversample: int = 0,
                            refills: int = 0, advantage: str = "grpo",
-                           on_rollout: Callable[[Rollout], None] | None = None
-                           ) -> tuple[list[list[Rollout]], GroupStats]:
-        """`want` complete groups from the task pool, over-sampling and refilling as configured."""
+                           on_rollout: Callable[[Rollout], None] | None = None,
+                           harnesses: list[str] | None = None) -> tuple[list[list[Rollout]], GroupStats]:
+        """`want` complete groups from the task pool, over-sampling and refilling as configured; with
+        several `harnesses`, the groups take them in turn."""
         stats = GroupStats()
         queue = list(pool)
         running: dict[asyncio.Task, Task] = {}
@@ -127,7 +133,8 @@ class GroupRunner:
             if not queue:
                 return False
             task = queue.pop(0)
-            running[asyncio.create_task(self.group(task, step, samples, "train", stats, on_rollout))] = task
+            harness = harnesses[stats.started % len(harnesses)] if harnesses else None
+            running[asyncio.create_task(self.group(task, step, samples, "train", stats, on_rollout, harness))] = task
             stats.started += 1
             return True
 

@@ -206,10 +206,9 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     return turns
 
 
-def scripted_teacher(check_edits: bool = False, recovery: float = 0.0,
-                     harness: str = "mini-swe-agent") -> Callable[[Task], list[str]]:
-    """The script the scripted engine plays per task; a `recovery` share of tasks (by task id) slip first."""
-    def script(task: Task) -> list[str]:
+def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task, str], list[str]]:
+    """The script the scripted engine plays per (task, harness); a `recovery` share of tasks (by id) slip first."""
+    def script(task: Task, harness: str = "mini-swe-agent") -> list[str]:
         slip = recovery > 0 and random.Random(f"slip:{task.instance_id}").random() < recovery
         return teacher_script(task, check_edits=check_edits, slip=slip, harness=harness)
     return script
