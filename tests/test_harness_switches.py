@@ -214,3 +214,30 @@ def test_a_list_of_harnesses_takes_each_key_where_it_is_honoured():
         load_config(None, ["harness.name=[mini-swe-agent]", "harness.system_prompt=x"])
     with pytest.raises(ConfigError, match="distinct"):
         load_config(None, ["harness.name=[codex, codex]"])
+
+
+def test_dashboard_behaviour_splits_by_harness():
+    from legorl.monitor.analytics import behaviour
+    from legorl.pipeline import per_harness_metrics
+    from legorl.records import Rollout
+
+    def rollout(harness: str, text: str, resolved: bool) -> Rollout:
+        c = call(0, "stop")
+        c.completion_text = text
+        return Rollout(id=harness + text, step=0, task_id="t", group_id="g", sample_index=0, harness=harness,
+                       split="train", outcome=Outcome.RESOLVED if resolved else Outcome.UNRESOLVED, calls=[c])
+
+    rollouts = [rollout("codex", "prose only", False), rollout("claude-code", "prose", True)]
+    step = per_harness_metrics(rollouts, ["claude-code", "codex"])
+    assert step["pass_rate/claude-code"] == 1.0 and step["pass_rate/codex"] == 0.0
+    assert step["behaviour/by_harness/codex/turns_per_rollout"] == 1.0
+    assert per_harness_metrics(rollouts, None) == {}  # one harness: nothing more to log
+
+    class Cache:
+        def per_step(self):
+            return {0: {"behaviour/turns_per_rollout": 1.0, **step}}
+
+    out = behaviour(Cache())
+    assert out["harnesses"] == ["claude-code", "codex"]
+    turns = next(c for c in out["charts"] if c["id"] == "b_turns")
+    assert [s["name"] for s in turns["series"]] == ["turns", "turns · claude-code", "turns · codex"]

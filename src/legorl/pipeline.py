@@ -360,6 +360,7 @@ class Driver:
         metrics.update(group_metrics)
         metrics.update(seq_metrics)
         metrics.update(behaviour_metrics(rollouts))
+        metrics.update(per_harness_metrics(rollouts, self.several_harnesses()))
         metrics.update(engine_metrics)
         metrics.update(train_metrics)
         metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
@@ -531,6 +532,19 @@ class Driver:
         })
         save()
         return summary
+
+
+def per_harness_metrics(rollouts: list[Rollout], names: list[str] | None) -> dict[str, float]:
+    """With several harnesses, each one's pass rate and behaviour in a step (`behaviour/by_harness/NAME/...`:
+    the dashboard's behaviour charts split by harness)."""
+    m: dict[str, float] = {}
+    for name in names or []:
+        mine = [r for r in rollouts if r.harness == name]
+        if mine:
+            m[f"pass_rate/{name}"] = sum(r.outcome == Outcome.RESOLVED for r in mine) / len(mine)
+        m.update({f"behaviour/by_harness/{name}/{k.removeprefix('behaviour/')}": v
+                  for k, v in behaviour_metrics(mine).items()})
+    return m
 
 
 def per_harness(summary: dict[str, Any], split: str, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -230,21 +230,30 @@ def behaviour(cache: BehaviourCache) -> dict[str, Any]:
     ms = [per[s] for s in xs]
     g = lambda k: _get(ms, "behaviour/" + k)
     mix = {k: g(f"mix/{k}") for k in ("read", "search", "edit", "test", "submit", "other")}
+    # A run through several harnesses logs each one's behaviour too: one more line per harness.
+    harnesses = sorted({k.split("/")[2] for m in ms for k in m if k.startswith("behaviour/by_harness/")})
+
+    def split(label: str, key: str) -> dict[str, list[float | None]]:
+        return {f"{label} · {h}": g(f"by_harness/{h}/{key}") for h in harnesses}
+
     charts = [
-        chart("b_turns", "Turns per rollout", xs, {"turns": g("turns_per_rollout")}, ymin=0),
-        chart("b_tools", "Tool calls per turn", xs, {"tool calls / turn": g("tool_calls_per_turn")}, ymin=0),
+        chart("b_turns", "Turns per rollout", xs, {"turns": g("turns_per_rollout"),
+                                                   **split("turns", "turns_per_rollout")}, ymin=0),
+        chart("b_tools", "Tool calls per turn", xs, {"tool calls / turn": g("tool_calls_per_turn"),
+                                                     **split("tool calls / turn", "tool_calls_per_turn")}, ymin=0),
         chart("b_verify", "Verification after edit (edits later read or tested)", xs,
               {"verified share of edits": g("verify_after_edit_rate"),
-               "rollouts that edit": g("edit_rollout_rate")}, ymin=0, ymax=1),
+               "rollouts that edit": g("edit_rollout_rate"), **split("verified", "verify_after_edit_rate")},
+              ymin=0, ymax=1),
         chart("b_text", "Text-only turns, format errors, truncated turns (share of turns)", xs,
               {"text-only": g("text_only_turn_rate"), "format errors": g("format_error_rate"),
-               "truncated": g("truncated_turn_rate")}, ymin=0, ymax=1),
+               "truncated": g("truncated_turn_rate"), **split("text-only", "text_only_turn_rate")}, ymin=0, ymax=1),
         chart("b_submit", "Submit rate (rollouts that submitted / ended on their own)", xs,
               {"submitted": g("submit_rate")}, ymin=0, ymax=1),
         chart("b_mix", "Command mix (share of tool calls)", xs, mix, kind="stacked", ymax=1),
     ]
     sampled = sum(int(m.get("behaviour/sampled_rollouts", m.get("behaviour/rollouts", 0))) for m in ms)
-    return {"charts": charts, "steps": len(xs), "rollouts_analysed": sampled,
+    return {"charts": charts, "steps": len(xs), "rollouts_analysed": sampled, "harnesses": harnesses,
             "latest": {k.removeprefix("behaviour/"): v for k, v in (ms[-1] if ms else {}).items()}}
 
 
