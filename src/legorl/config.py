@@ -98,7 +98,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
 
 class HarnessConfig(_Section):
     # One harness, or a list: each RL group runs one of them in turn, the trainer learns from all,
-    # and evaluation reports each harness (docs/harnesses/README.md).
+    # and evaluation reports each harness (docs/configuration.md, "harness").
     name: HarnessName | list[HarnessName] = "mini-swe-agent"
     # mini-swe-agent: model calls; claude-code: --max-turns; codex (no such switch): the proxy ends
     # the episode as max_turns when the harness asks for one call more.
