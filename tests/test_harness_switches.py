@@ -241,3 +241,12 @@ def test_dashboard_behaviour_splits_by_harness():
     assert out["harnesses"] == ["claude-code", "codex"]
     turns = next(c for c in out["charts"] if c["id"] == "b_turns")
     assert [s["name"] for s in turns["series"]] == ["turns", "turns · claude-code", "turns · codex"]
+
+
+def test_a_saved_config_with_every_key_spelled_out_loads_again(tmp_path):
+    # `legorl train --resume` reloads config.json, which holds every key at its value, defaults included
+    for overrides in (["harness.name=mini-swe-agent"], ["harness.name=codex", "harness.tools=[exec_command]"],
+                      ["harness.name=[mini-swe-agent, claude-code]", "harness.system_prompt=x"]):
+        saved = tmp_path / "config.json"
+        saved.write_text(json.dumps(load_config(None, overrides).model_dump()))
+        assert load_config(saved).harness == load_config(None, overrides).harness

@@ -121,9 +121,14 @@ class HarnessConfig(_Section):
     def names(self) -> list[str]:
         return [self.name] if isinstance(self.name, str) else list(self.name)
 
+    def _given(self) -> set[str]:
+        """Keys whose value is not the default (a saved config.json spells out every key)."""
+        fields = type(self).model_fields
+        return {k for k in fields if getattr(self, k) != fields[k].get_default(call_default_factory=True)}
+
     def for_harness(self, name: str) -> HarnessConfig:
         """The settings of one harness of the list: the keys it honours, then its `overrides`."""
-        data = {k: getattr(self, k) for k in self.model_fields_set - {"name", "overrides"}
+        data = {k: getattr(self, k) for k in self._given() - {"name", "overrides"}
                 if name in _HARNESS_ONLY_KEYS.get(k, {name})}
         return HarnessConfig.model_validate({**data, **self.overrides.get(name, {}), "name": name})
 
@@ -132,7 +137,7 @@ class HarnessConfig(_Section):
         names = self.names
         if not names or len(set(names)) != len(names):
             raise ValueError(f"harness.name: give one harness or a list of distinct ones (got {self.name!r})")
-        for key in sorted(self.model_fields_set & set(_HARNESS_ONLY_KEYS)):
+        for key in sorted(self._given() & set(_HARNESS_ONLY_KEYS)):
             allowed = _HARNESS_ONLY_KEYS[key]
             if not allowed & set(names):  # in a list, a key applies to the harnesses that honour it
                 hint = {"system_template": "; Claude Code and Codex take harness.system_prompt",
