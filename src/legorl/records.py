@@ -1,4 +1,4 @@
-"""The core records every part of legorl shares (see DESIGN.md, "Core records").
+"""The core records every part of legorl shares (see docs/design.md, "Core records").
 
 They are plain dataclasses: cheap to build in hot paths, easy to serialise into
 the SQLite store. Nothing here imports torch or any backend.

@@ -1,6 +1,7 @@
 """Sampling, and THE definition of a sampled token's logprob (the trainer imports it from here).
 
-Logprob definition (sampler and trainer must agree, see LESSONS "Sampler/trainer mismatch"):
+Logprob definition (sampler and trainer must agree;
+docs/design.md, "Sampler/trainer mismatch and its bounds"):
 
 - ``temperature == 0`` (greedy): the token is ``argmax(logits)`` and its logprob is
   ``log_softmax(logits)[token]`` (raw, unscaled logits; top_k and top_p are ignored).

@@ -2,7 +2,7 @@
 
 Sampler and trainer run different kernels, batch shapes and precisions, so an MoE router
 that sits near a tie picks different experts at generation and at training (about 10 % of
-router decisions; LESSONS.md "Routing replay"). R3 records the experts the sampler used and
+router decisions; docs/design.md, "Routing replay"). R3 records the experts the sampler used and
 forces them in the trainer's forward pass.
 
 Supported routers: every transformers 5.x ``*TopKRouter`` whose forward maps flattened hidden

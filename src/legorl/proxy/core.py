@@ -162,7 +162,8 @@ class CallCore:
 
 
 def _check_result(r: GenerationResult) -> None:
-    """Validate engine output on arrival (see LESSONS: ids silently lost as strings or empty)."""
+    """Validate engine output on arrival: ids silently lost as strings or empty (docs/design.md,
+    "Capturing tokens")."""
     ids, lps = r.completion_ids, r.logprobs
     if not ids or len(ids) != len(lps) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError(f"engine returned an invalid completion: {len(ids)} ids, {len(lps)} logprobs "

@@ -5,7 +5,7 @@ log_softmax(logits / temperature)[id], restricted and renormalised to the top-k 
 nucleus when set; temperature 0 (greedy) means the raw log_softmax(logits). The
 distribution itself is imported from the engine, so there is one definition only. If
 sampler and trainer disagreed, the PPO ratio and the IS weights would compare different
-distributions and every mismatch metric would lie (LESSONS.md, "Sampler/trainer mismatch").
+distributions and every mismatch metric would lie (docs/design.md, "Sampler/trainer mismatch and its bounds").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Policy-gradient loss: PPO-clip (asymmetric) with sampler/trainer importance-sampling corrections.
 
-Three policies are kept apart (LESSONS.md, "Sampler/trainer mismatch"):
+Three policies are kept apart (docs/design.md, "Sampler/trainer mismatch and its bounds"):
 - rollout: the sampler's logprobs (engine numerics, maybe stale weights),
 - old: the trainer's logprobs before this update (the PPO anchor, computed once, no grad),
 - current: the trainer's logprobs with gradients.
@@ -27,7 +27,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "toke
 # tis: token weight min(r, cap); mis: token weight r, tokens with r > cap rejected;
 # seq-tis / seq-mis: the same with the sequence ratio prod(r) (over kept tokens); none: weight 1.
 IS_MODES = ("tis", "mis", "seq-tis", "seq-mis", "none")
-# Usual rejection bounds (LESSONS.md): geometric sequence masking and token masking.
+# Usual rejection bounds: geometric sequence masking and token masking
+# (docs/design.md, "Sampler/trainer mismatch and its bounds").
 GEO_SEQ_MASK = (0.99, 1.01)
 TOKEN_MASK = (0.5, 2.0)
 _MAX_LOG = 30.0  # exp() bound: a wild masked/padding token must not make inf (inf * 0 = nan)

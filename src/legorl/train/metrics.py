@@ -32,7 +32,8 @@ def effective_sample_size(w: Tensor) -> float:
 
 
 def mismatch_metrics(trainer_logp: Tensor, sampler_logp: Tensor, is_weight: Tensor) -> dict[str, float]:
-    """Sampler vs trainer on loss tokens (LESSONS.md: Pearson >= 0.99, |dlogp| ~ 0.01-0.03 in bf16).
+    """Sampler vs trainer on loss tokens (healthy: Pearson >= 0.99, |dlogp| ~ 0.01-0.03 in bf16;
+    docs/design.md, "Sampler/trainer mismatch and its bounds").
 
     k3 uses r = trainer - sampler on sampler samples: exp(r) - 1 - r estimates KL(sampler || trainer).
     ``is_weight``: the IS weights of the kept tokens (mean and ESS).

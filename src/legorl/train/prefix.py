@@ -1,7 +1,7 @@
 """Shared-prefix training: forward a prompt shared by several sequences once, not once per sequence.
 
 Rollouts of one group share their first prompt (a harness's system prompt, tool schemas, the task:
-often thousands of tokens; LESSONS.md, "Harness prompts are long"). Sequences of a micro-batch whose
+often thousands of tokens; docs/design.md, "Harness prompts are long"). Sequences of a micro-batch whose
 token ids start with the same ``length`` tokens form a ``PrefixGroup``: the prefix is forwarded once
 (batch 1) into a KV cache, the cache is repeated along the batch dimension, and the continuations
 (right-padded, positions offset by ``length``) attend to it. Exact, not an approximation: a causal

@@ -6,7 +6,7 @@ One ``train_step`` = one batch of rollouts = ``ppo_epochs x mini_batches`` optim
   detached (one forward per micro-batch). Otherwise ("decoupled"), an old-logprob pass runs
   first with no grad over the same micro-batches; the PPO ratio is cur/old and the IS weight
   old/rollout, so a multi-update step never mistakes old for rollout.
-- **Normalisation** (DESIGN.md: "per-rollout loss normalisation"). ``loss_agg``: ``token-mean``
+- **Normalisation** (docs/design.md, "Per-rollout loss normalisation"). ``loss_agg``: ``token-mean``
   (default; every kept token of the mini-batch weighs the same; a rollout split into several
   sequences keeps its weight because each sampled token lives in exactly one sequence),
   ``seq-mean-token-mean`` (each rollout weighs the same; ``rollout-mean`` is an alias),
