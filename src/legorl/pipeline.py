@@ -1,6 +1,6 @@
 """The training loop: rollouts of a group of tasks -> advantages -> token-exact sequences -> trainer -> engine.
 
-One driver process hosts everything (DESIGN.md, "Process model"): the proxy on
+One driver process hosts everything (docs/design.md, "Process model"): the proxy on
 loopback TCP and a Unix socket, the engine in a worker thread, the harness
 workers, the store writer and the trainer, which runs between rollout phases.
 With `ray.address` set, rollouts run on Ray actors instead (rollout/cluster.py);
