@@ -28,7 +28,8 @@ async def _episodes(tokenizer, run_dir: Path, scripts):
     try:
         out = []
         for i, (task, script) in enumerate(zip(train, scripts)):
-            ctx = EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=run_dir, label="test",
+            ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=run_dir,
+                                 label="test",
                                  agent_timeout=120, grading_timeout=60, hide_paths=[run_dir],
                                  script_for=script)
             out.append((task, await run_episode(ctx, task, step=0, group_id=f"g{i}", sample_index=0)))
@@ -39,10 +40,11 @@ async def _episodes(tokenizer, run_dir: Path, scripts):
 
 
 def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenizer, tmp_path):
-    def broken(task):  # an "agent" that says it is done without calling any tool
+    def broken(task, harness):  # an "agent" that says it is done without calling any tool
         return ["I think it is fine."] * 3
 
-    scripts = [lambda t: teacher_script(t, run_tests=True), lambda t: teacher_script(t, solve=False), broken]
+    scripts = [lambda t, h: teacher_script(t, run_tests=True, harness=h),
+               lambda t, h: teacher_script(t, solve=False, harness=h), broken]
     results, store = asyncio.run(_episodes(tokenizer, tmp_path, scripts))
     (t_ok, good), (_, wrong), (_, no_tool) = results
 
@@ -77,7 +79,7 @@ def test_harness_without_model_calls_is_not_a_success(tokenizer, tmp_path):
         harness = MiniSweAgentHarness(cfg, command_timeout=20, log_dir=tmp_path / "logs")
         await harness.start()
         task = builtin_splits(1, 0, seed=9)[0][0]
-        ctx = EpisodeContext(proxy=proxy, harness=harness, store=store, run_dir=tmp_path, label="t",
+        ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path, label="t",
                              agent_timeout=60, grading_timeout=60, hide_paths=[tmp_path])
         try:
             return await run_episode(ctx, task, step=0, group_id="g", sample_index=0)
