@@ -16,24 +16,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import yaml
-
 from legorl.config import load_config
 from legorl.pipeline import Driver
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def shortened(name: str) -> list[str]:
-    """The harness switches of the demo config for `name`, as dotted overrides."""
-    harness = yaml.safe_load((ROOT / "configs" / f"demo-{name}.yaml").read_text())["harness"]
-    return [f"harness.{k}={yaml.safe_dump(v, default_flow_style=True, width=1 << 20).strip().removesuffix('...').strip()}"
-            for k, v in harness.items() if k in ("system_prompt", "append_system_prompt", "tools", "codex_config")]
-
-
-async def measure(overrides: list[str], episodes: int) -> tuple[list[int], list[int]]:
-    cfg = load_config(None, ["sft.enabled=true", "monitor.dashboard=false", "tasks.n_train=8", "tasks.n_heldout=0",
-                             *overrides])
+async def measure(config: Path | None, overrides: list[str], episodes: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths of `episodes` teacher episodes: first calls, and every call."""
+    cfg = load_config(config, ["monitor.dashboard=false", "tasks.n_train=8", "tasks.n_heldout=0", "sft.demos=0",
+                               *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         async with Driver(cfg, Path(run_dir)) as driver:
             demos = await driver.collect_demos(episodes)
@@ -46,14 +38,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=4)
     args = ap.parse_args()
-    cases = [("mini-swe-agent", "legorl's default", ["harness.name=mini-swe-agent"])]
+    cases = [("mini-swe-agent", "legorl's default", None, [])]
     for name in ("claude-code", "codex"):
-        cases.append((name, "its defaults", [f"harness.name={name}"]))
-        cases.append((name, "shortened (demo config)", [f"harness.name={name}", *shortened(name)]))
+        cases.append((name, "its defaults", None, [f"harness.name={name}"]))
+        cases.append((name, "shortened (demo config)", ROOT / "configs" / f"demo-{name}.yaml", []))
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
     print("|---|---|---:|---:|---:|")
-    for name, label, overrides in cases:
-        first, every = asyncio.run(measure(overrides, args.episodes))
+    for name, label, config, overrides in cases:
+        first, every = asyncio.run(measure(config, overrides, args.episodes))
         print(f"| {name} | {label} | {statistics.median(first):,.0f} | {statistics.median(every):,.0f} | "
               f"{len(every)} |", flush=True)
 
