@@ -8,13 +8,12 @@ names the key and what was expected (see `ConfigError`).
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from legorl.monitor.config import MonitorConfig
 
 
 class ConfigError(Exception):
@@ -63,6 +62,57 @@ class ProxyConfig(_Section):
     served_model_name: str = "legorl-policy"
 
 
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandbox; how each is enforced is told in sandbox/limits.py."""
+
+    processes: int | None = 1024  # tasks (processes + threads) inside the sandbox
+    memory_mb: int | None = 8192  # total anonymous memory (watchdog) and per-process RLIMIT_DATA
+    address_space_mb: int | None = None  # RLIMIT_AS per process; off: it breaks node and the JVM
+    cpu_seconds: int | None = 3600  # RLIMIT_CPU of each command's process tree (per process)
+    file_size_mb: int | None = 2048  # largest file a process may write
+    open_files: int | None = 4096
+    workspace_mb: int | None = 8192  # disk used under the workspace (watchdog)
+    tmp_mb: int | None = 1024  # size of the /tmp and /dev/shm tmpfs mounts
+    lifetime_s: float | None = None  # hard stop for the whole sandbox (set from Deadlines)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and v <= 0:
+                raise ValueError(f"sandbox limit {f.name} must be > 0 or None (unlimited), got {v}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SandboxLimits:
+        """From a config mapping; unknown keys are an error naming the known ones."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(d) - known):
+            raise ValueError(f"unknown sandbox limit(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> SandboxLimits:
+        return replace(self, **changes)
+
+    def agent_arg(self) -> str:
+        """`name=value,...` for the in-sandbox agent (parsed there without importing json)."""
+        values = {
+            "nproc": self.processes,
+            "data": self.memory_mb and self.memory_mb * MiB,
+            "as": self.address_space_mb and self.address_space_mb * MiB,
+            "cpu": self.cpu_seconds,
+            "fsize": self.file_size_mb and self.file_size_mb * MiB,
+            "nofile": self.open_files,
+        }
+        return ",".join(f"{k}={v}" for k, v in values.items() if v is not None)
+
+
 class SandboxConfig(_Section):
     kind: Literal["bwrap"] = "bwrap"
     command_timeout: float = Field(20.0, gt=0)
@@ -75,8 +125,6 @@ class SandboxConfig(_Section):
     @field_validator("limits")
     @classmethod
     def _known_limits(cls, v: dict[str, float | None]) -> dict[str, float | None]:
-        from legorl.sandbox.limits import SandboxLimits
-
         SandboxLimits.from_dict(v)  # unknown names and non-positive values fail here, with the key
         return v
 
@@ -316,6 +364,40 @@ class RayConfig(_Section):
         if importlib.util.find_spec("ray") is None:
             raise ValueError("ray.address is set but Ray is not installed: pip install 'legorl[ray]'")
         return v
+
+
+INFRA_OUTCOMES = ("agent_crash", "agent_timeout", "no_model_calls", "sandbox_error", "engine_error", "grader_error",
+                  "invalid_capture")
+
+
+class AlarmConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kl_metric: str = "train/mismatch_k3_kl"
+    kl_window: int = Field(4, ge=1)  # steps compared: the last window against the one before
+    kl_rise_factor: float = Field(2.0, gt=1.0)  # alarm when the mean KL grew by this factor...
+    kl_min: float = Field(1e-3, ge=0.0)  # ...and is above this floor (below it, rises are numerical noise)
+    tool_metric: str = "behaviour/tool_calls_per_turn"
+    tool_window: int = Field(3, ge=1)
+    tool_drop_fraction: float = Field(0.5, gt=0.0, lt=1.0)  # recent mean below this fraction of the earlier peak
+    tool_min_baseline: float = Field(0.2, ge=0.0)  # only once the agent did call tools at this rate
+    zero_variance_max: float = Field(0.5, ge=0.0, le=1.0)  # share of groups whose rewards are all equal
+    infra_failure_max: float = Field(0.2, ge=0.0, le=1.0)  # share of rollouts with an infrastructure outcome
+    infra_outcomes: list[str] = Field(default_factory=lambda: list(INFRA_OUTCOMES))
+    min_rollouts: int = Field(1, ge=1)  # steps with fewer finished rollouts are not judged
+
+
+class MonitorConfig(BaseModel):
+    """The `monitor:` section: dashboard, loggers and alarms (docs/monitoring.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dashboard: bool = True  # serve the dashboard from the training driver
+    host: str = "127.0.0.1"  # a non-loopback host needs a token
+    port: int = Field(0, ge=0, le=65535)  # 0 = pick a free port
+    token: str | None = None
+    loggers: list[str] = Field(default_factory=list)  # tensorboard | wandb | mlflow
+    alarms: AlarmConfig = Field(default_factory=AlarmConfig)
 
 
 class RunConfig(_Section):
