@@ -196,8 +196,7 @@ def doctor() -> None:
 
 # ---- commands that live with their part (each module keeps its imports light) -------------------
 # One line per command: app.command("name")(function) or app.add_typer(sub_app, name="name").
-from legorl.grading.cli import grade_command
-from legorl.tasks.cli import tasks_app
+from legorl.grading.cli import grade_command, tasks_app
 
 app.command("grade")(grade_command)
 app.add_typer(tasks_app, name="tasks")

@@ -1,6 +1,7 @@
 """Tasks: the schema, loaders (SWE-bench JSONL, Harbor / terminal-bench dirs, built-in), repo preparation.
 
-Attributes load lazily so that ``legorl.tasks.cli`` stays cheap to import.
+Attributes load lazily so that importing one module of the package (as the command line does)
+stays cheap.
 """
 
 from __future__ import annotations
