@@ -268,7 +268,7 @@ class FaultsConfig(_Section):
 class TrainerConfig(_Section):
     lr: float = Field(1e-4, ge=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)  # null: no clipping
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.28, ge=0.0)
     tis_cap: float | None = 2.0
@@ -280,7 +280,8 @@ class TrainerConfig(_Section):
     is_mode: Literal["tis", "mis", "seq-tis", "seq-mis", "none"] = "tis"
     token_mask: tuple[float, float] | None = None  # reject tokens whose IS weight leaves [lo, hi]
     seq_mask: tuple[float, float] | None = None  # geometric sequence masking, e.g. [0.99, 1.01]
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "rollout-mean"] = "token-mean"  # rollout-mean: seq-mean-token-mean's other name
     kl_coef: float = Field(0.0, ge=0.0)  # k3 KL to the initial weights
     entropy_coef: float = Field(0.0, ge=0.0)
     routing_replay: Literal["off", "R2", "R3"] = "off"  # MoE: replay routed experts (docs/training.md)

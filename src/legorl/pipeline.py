@@ -70,6 +70,11 @@ def model_spec(cfg: Config) -> ModelSpec:
                      max_position_embeddings=m.max_position_embeddings, seed=m.seed, vocab_size=m.vocab_size)
 
 
+def make_trainer(cfg: Config, policy: torch.nn.Module, pad_id: int) -> Trainer:
+    """The run's trainer: its `trainer` section, the `sampling` the engine samples with, `run.steps` RL steps."""
+    return Trainer(policy, cfg.trainer, sampling=cfg.sampling, total_steps=cfg.run.steps, pad_id=pad_id)
+
+
 def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     """(train, heldout) tasks from the configured source."""
     t = cfg.tasks
@@ -144,17 +149,7 @@ class Driver:
         self.engine = await self._make_engine()
         if faults_enabled(cfg.faults) and not ray_mode:  # with Ray, each worker wraps its own engine client
             self.engine = FaultyEngine(self.engine, cfg.faults)
-        t, s = cfg.trainer, cfg.sampling
-        self.trainer = Trainer(
-            policy, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-            temperature=s.temperature or 1.0, top_p=s.top_p, top_k=s.top_k, clip_low=t.clip_low,
-            clip_high=t.clip_high, tis_cap=t.tis_cap, micro_batch_tokens=t.micro_batch_tokens,
-            pad_id=self.tokenizer.pad_token_id or 0, loss_agg=t.loss_agg, ppo_epochs=t.ppo_epochs,
-            mini_batches=t.mini_batches, is_mode=t.is_mode, token_mask=t.token_mask, seq_mask=t.seq_mask,
-            kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, routing_replay=t.routing_replay,
-            lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps,
-            min_lr_ratio=t.min_lr_ratio, autocast=t.autocast, gradient_checkpointing=t.gradient_checkpointing,
-            shared_prefix=t.shared_prefix)
+        self.trainer = make_trainer(cfg, policy, pad_id=self.tokenizer.pad_token_id or 0)
         self.proxy, self.ctx, self.cluster = None, None, None
         if not ray_mode:
             self.proxy = make_proxy(cfg, self.engine, self.tokenizer, on_call=self.store.add_call)

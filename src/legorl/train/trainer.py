@@ -30,11 +30,13 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from legorl.config import SamplingConfig, TrainerConfig
 from legorl.models.routing import (
     ReplayStats,
     RoutingRecorder,
@@ -46,153 +48,221 @@ from legorl.records import TrainingSequence
 from legorl.train import distributed as dist
 from legorl.train import prefix as shared
 from legorl.train.batching import Micro, collate, mini_batches, plan_micro_batches
-from legorl.train.losses import IS_MODES, ISCorrection, is_correction, k3, policy_terms, sequence_weights
+from legorl.train.losses import ISCorrection, PolicyTerms, is_correction, k3, policy_terms, sequence_weights
 from legorl.train.metrics import mean, mismatch_metrics
 from legorl.train.schedule import LRSchedule
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "rollout-mean")
-ROUTING_REPLAY = ("off", "R2", "R3")
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # the sampling settings a logprob depends on
 
 
 class Trainer:
+    """Policy-gradient and SFT updates of ``model``.
+
+    Its settings have one set of defaults, the config's: ``config`` is the ``trainer`` section
+    (default ``TrainerConfig()``) and ``sampling`` the ``sampling`` section, whose temperature,
+    top-p and top-k the logprobs must share with the engine (greedy sampling, temperature 0, is
+    scored at temperature 1). Keyword ``settings`` override single keys of either, validated as
+    the YAML is: ``Trainer(model, cfg.trainer, sampling=cfg.sampling)`` in a run,
+    ``Trainer(model, lr=1e-3, temperature=0.7)`` in a notebook.
+
+    The other arguments are not settings: ``total_steps`` (the run's RL steps: the cosine
+    schedule's length), ``pad_id`` (the tokenizer's), ``device`` (default: the model's),
+    ``ref_model`` (the KL reference; default a frozen copy of the initial weights when
+    ``kl_coef`` > 0), ``fsdp`` (shard with FSDP2: "auto" under torchrun), Adam's ``betas`` and
+    ``shared_prefix_min`` (the shortest first prompt worth sharing, train/prefix.py).
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
+        config: TrainerConfig | None = None,
         *,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        max_grad_norm: float | None = 1.0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        tis_cap: float | None = 2.0,
-        micro_batch_tokens: int = 4096,
-        pad_id: int = 0,
-        loss_agg: str = "token-mean",
-        device: str | torch.device | None = None,
-        ppo_epochs: int = 1,
-        mini_batches: int = 1,
-        is_mode: str = "tis",
-        token_mask: tuple[float, float] | None = None,
-        seq_mask: tuple[float, float] | None = None,
-        kl_coef: float = 0.0,
-        ref_model: torch.nn.Module | None = None,
-        entropy_coef: float = 0.0,
-        routing_replay: str = "off",
-        lr_schedule: str = "constant",
-        warmup_steps: int = 0,
+        sampling: SamplingConfig | None = None,
         total_steps: int | None = None,
-        min_lr_ratio: float = 0.0,
-        autocast: str | None = None,
-        gradient_checkpointing: bool = False,
+        pad_id: int = 0,
+        device: str | torch.device | None = None,
+        ref_model: torch.nn.Module | None = None,
         fsdp: bool | str = "auto",
-        shared_prefix: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
         shared_prefix_min: int = shared.MIN_SHARED_PREFIX,
+        **settings: Any,
     ) -> None:
-        if loss_agg not in LOSS_AGGS:
-            raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGGS}")
-        if is_mode not in IS_MODES:
-            raise ValueError(f"unknown is_mode {is_mode!r}; choose one of {IS_MODES}")
-        if routing_replay not in ROUTING_REPLAY:
-            raise ValueError(f"unknown routing_replay {routing_replay!r}; choose one of {ROUTING_REPLAY}")
-        if ppo_epochs < 1:
-            raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
+        c, s = _settings(config, sampling, settings)
+        self.config = c
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device)
         self.route_shape = routing_shape(model)
-        if routing_replay != "off" and self.route_shape is None:
+        if c.routing_replay != "off" and self.route_shape is None:
             raise ValueError(
-                f"routing_replay={routing_replay!r} needs an MoE model with top-k routers; "
+                f"routing_replay={c.routing_replay!r} needs an MoE model with top-k routers; "
                 f"{type(model).__name__} has none (set routing_replay: off)"
             )
         # Dropout off: trainer logprobs must be the same function the sampler evaluated.
         self.model.eval()
-        if gradient_checkpointing:
+        if c.gradient_checkpointing:
             dist.enable_gradient_checkpointing(self.model)
         # The KL reference: a frozen copy of the initial weights unless one is given.
         self.ref_model = ref_model
-        if self.ref_model is None and kl_coef > 0:
+        if self.ref_model is None and c.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model)
         if self.ref_model is not None:
             self.ref_model.to(self.device).eval().requires_grad_(False)
-        self.autocast_dtype = autocast
+        self.autocast_dtype = c.autocast
         sharded = dist.fsdp_wanted(fsdp)
         if sharded:
-            dist.shard_fsdp2(self.model, mixed_precision=autocast)
+            dist.shard_fsdp2(self.model, mixed_precision=c.autocast)
         # Fallbacks to per-sequence forwards (train/prefix.py): routing replay forces routes per
         # padded position of whole sequences; FSDP's root unit would be bypassed by the prefix
         # forward; HF drops the KV cache under gradient checkpointing; a non-HF model has no cache.
         self.shared_prefix = (
-            shared_prefix
-            and routing_replay == "off"
+            c.shared_prefix
+            and c.routing_replay == "off"
             and not sharded
-            and not gradient_checkpointing
+            and not c.gradient_checkpointing
             and shared.supports(self.model)
         )
         self.shared_prefix_min = shared_prefix_min
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.base_lr = lr
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
-        self.schedule = LRSchedule(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
-        self.max_grad_norm = max_grad_norm
+        self.base_lr = c.lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=c.lr, betas=betas, weight_decay=c.weight_decay)
+        self.schedule = LRSchedule(c.lr_schedule, c.warmup_steps, total_steps, c.min_lr_ratio)
+        self.max_grad_norm = c.max_grad_norm
         # Must equal the engine's sampling settings: logprobs are of the distribution sampled from.
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
-        self.is_mode, self.token_mask, self.seq_mask = is_mode, token_mask, seq_mask
-        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
-        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
-        self.routing_replay = routing_replay
-        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature, self.top_p, self.top_k = s.temperature or 1.0, s.top_p, s.top_k
+        self.clip_low, self.clip_high, self.tis_cap = c.clip_low, c.clip_high, c.tis_cap
+        self.is_mode, self.token_mask, self.seq_mask = c.is_mode, c.token_mask, c.seq_mask
+        self.kl_coef, self.entropy_coef = c.kl_coef, c.entropy_coef
+        self.ppo_epochs, self.mini_batches = c.ppo_epochs, c.mini_batches
+        self.routing_replay = c.routing_replay
+        self.micro_batch_tokens = c.micro_batch_tokens
         self.pad_id = pad_id
-        self.loss_agg = loss_agg
+        self.loss_agg = c.loss_agg
         self.step = 0  # optimizer steps taken (policy updates + SFT steps)
         self.policy_updates = 0  # policy optimizer steps: the lr schedule's clock
 
-    # ---- helpers ----------------------------------------------------------------------------
+    # ---- the steps ---------------------------------------------------------------------------
+
+    def train_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
+        """Policy-gradient update(s) on a batch of sequences; returns metrics (all floats).
+
+        ``ppo_epochs`` passes over ``mini_batches`` mini-batches, one optimizer step each, the
+        gradient accumulated over the mini-batch's micro-batches. Mismatch metrics compare the
+        sampler's logprobs with the trainer's before any update.
+        """
+        n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
+        signal = any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
+        skip = n_loss == 0 or not signal
+        plan = [self._micro_plan(sequences, idx) for idx in mini_batches(sequences, self.mini_batches)]
+        n_updates = self.ppo_epochs * len(plan)
+        st = _Step(decoupled=n_updates > 1 or self._rejects())
+        if st.decoupled or skip:  # old logprobs and IS corrections, before any update
+            for micros in plan:
+                for mb in micros:
+                    self._old_pass(mb, st)
+        weights = self._weights(sequences, plan, st if (st.decoupled or skip) else None)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0, "train/updates": 0.0}
+            return {**metrics, **self._step_metrics(sequences, st, n_loss)}
+
+        loss_total, grad_norms = 0.0, []
+        for _epoch in range(self.ppo_epochs):
+            for micros in plan:  # one optimizer step per mini-batch
+                self.optimizer.zero_grad(set_to_none=True)
+                for j, mb in enumerate(micros):  # gradient accumulation over its micro-batches
+                    routes = self._forward_routes(mb, st.decoupled)
+                    stats = ReplayStats()
+                    last = j == len(micros) - 1
+                    with dist.no_sync_if_sharded(self.model, last), self._routing(self.model, routes, None, stats):
+                        cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
+                        old, corr, ref = self._old_policy(mb, cur, ent, routes, st)
+                        terms = policy_terms(
+                            cur,
+                            old,
+                            mb.rollout_logp,
+                            mb.advantages,
+                            self.clip_low,
+                            self.clip_high,
+                            correction=corr,
+                            ref_logp=ref,
+                            kl_coef=self.kl_coef,
+                            entropy=ent,
+                            entropy_coef=self.entropy_coef,
+                        )
+                        w = torch.tensor([weights[i] for i in mb.index], device=self.device)
+                        kept = torch.where(terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss))
+                        loss = (kept * w.unsqueeze(-1)).sum()
+                        loss.backward()  # inside the replay context: recomputation replays the same routes
+                    st.gather_update(mb, stats, old, cur, terms)
+                    loss_total += float(loss.detach())
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self._max_norm))
+                if math.isfinite(grad_norm):  # a non-finite norm skips the step: the weights stay sane
+                    self._set_lr(self.base_lr * self.schedule.factor(self.policy_updates))
+                    self.optimizer.step()
+                    self.step += 1
+                    self.policy_updates += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(grad_norm)
+
+        n_ok = sum(math.isfinite(g) for g in grad_norms)
+        metrics = {
+            "train/loss": loss_total / n_updates,
+            "train/grad_norm": grad_norms[0],
+            "train/grad_norm_max": max(grad_norms),
+            "train/skipped": 0.0 if n_ok else 1.0,
+            "train/nonfinite_grad": float(n_updates - n_ok),
+            "train/updates": float(n_ok),
+        }
+        return {**metrics, **self._step_metrics(sequences, st, n_loss)}
+
+    def sft_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
+        """One supervised step: cross-entropy (temperature 1) on mask-1 tokens, token-mean.
+
+        The optimizer's lr is left as the caller set it (the pipeline's SFT schedule)."""
+        n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
+        if n_loss == 0:
+            return {"sft/loss": 0.0, "sft/grad_norm": 0.0, "sft/tokens": 0.0, "sft/skipped": 1.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        micros = self._micro_plan(sequences, list(range(len(sequences))), routes=False)  # SFT never replays
+        for j, mb in enumerate(micros):
+            with dist.no_sync_if_sharded(self.model, j == len(micros) - 1):
+                logp, _ = self._logprobs(self.model, mb, plain=True)
+            loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
+            loss.backward()
+            loss_total += float(loss.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self._max_norm))
+        ok = math.isfinite(grad_norm)
+        if ok:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "sft/loss": loss_total,
+            "sft/grad_norm": grad_norm,
+            "sft/tokens": float(n_loss),
+            "sft/skipped": 0.0 if ok else 1.0,
+            "sft/step": float(self.step),
+        }
+
+    # ---- what the steps use ------------------------------------------------------------------
 
     @property
     def _agg(self) -> str:
         return "seq-mean-token-mean" if self.loss_agg == "rollout-mean" else self.loss_agg
 
-    def _sequence_weights(self, seqs: list[TrainingSequence], counts: list[int] | None = None) -> list[float]:
-        """Per-sequence token weight so that sum(weight * kept token loss) is the (mini-)batch loss."""
-        if counts is None:
-            counts = [sum(s.loss_mask[1:]) for s in seqs]
-        return sequence_weights(counts, [s.rollout_id for s in seqs], self._agg)
+    @property
+    def _max_norm(self) -> float:
+        return self.max_grad_norm if self.max_grad_norm else float("inf")
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _rejects(self) -> bool:
         return self.token_mask is not None or self.seq_mask is not None or self.is_mode in ("mis", "seq-mis")
-
-    def _forward_routes(self, mb: Micro, decoupled_update: bool) -> Tensor | None:
-        """Routes to force in a forward over ``mb`` (None: route freely)."""
-        if self.routing_replay == "off":
-            return None
-        if decoupled_update and "routes_used" in mb.cache:
-            return mb.cache["routes_used"]  # R2, or R3 completed with the old pass's own routes
-        return mb.routes if self.routing_replay == "R3" else None
-
-    @contextlib.contextmanager
-    def _routing(
-        self,
-        model: torch.nn.Module,
-        routes: Tensor | None,
-        record: RoutingRecorder | None,
-        stats: ReplayStats,
-    ) -> Iterator[None]:
-        """Force ``routes`` (when given) and record the routes used (when asked) in forwards inside."""
-        if routes is not None:
-            with replay_routing(model, routes, record=record, stats=stats):
-                yield
-        elif record is not None:
-            with record_routing(model, record):
-                yield
-        else:
-            yield
 
     def _micro_plan(
         self, seqs: list[TrainingSequence], indices: list[int], routes: bool = True
@@ -227,8 +297,36 @@ class Trainer:
                 top_k=sampling[2],
             )
 
-    def _old_pass(self, mb: Micro, stats: ReplayStats) -> None:
-        """No-grad forward: old logprobs, entropy, the routes the trainer used, reference logprobs."""
+    def _forward_routes(self, mb: Micro, decoupled_update: bool) -> Tensor | None:
+        """Routes to force in a forward over ``mb`` (None: route freely)."""
+        if self.routing_replay == "off":
+            return None
+        if decoupled_update and "routes_used" in mb.cache:
+            return mb.cache["routes_used"]  # R2, or R3 completed with the old pass's own routes
+        return mb.routes if self.routing_replay == "R3" else None
+
+    @contextlib.contextmanager
+    def _routing(
+        self,
+        model: torch.nn.Module,
+        routes: Tensor | None,
+        record: RoutingRecorder | None,
+        stats: ReplayStats,
+    ) -> Iterator[None]:
+        """Force ``routes`` (when given) and record the routes used (when asked) in forwards inside."""
+        if routes is not None:
+            with replay_routing(model, routes, record=record, stats=stats):
+                yield
+        elif record is not None:
+            with record_routing(model, record):
+                yield
+        else:
+            yield
+
+    def _old_pass(self, mb: Micro, st: _Step) -> None:
+        """No-grad forward before any update: old logprobs, entropy, the routes the trainer used,
+        reference logprobs, the IS correction; gathered into ``st``."""
+        stats = ReplayStats()
         record = RoutingRecorder(self.route_shape[0]) if self.routing_replay != "off" else None
         assert self.route_shape is not None or record is None
         routes = mb.routes if self.routing_replay == "R3" else None
@@ -242,6 +340,21 @@ class Trainer:
                 mb.cache["routes_used"] = used.masked_fill(pad, -1)  # padding: the sentinel, never replayed
             if self.ref_model is not None:
                 mb.cache["ref_logp"] = self._ref_logprobs(mb, mb.cache.get("routes_used", routes))
+        st.first_sight.add(stats, mb)
+        corr = st.corrections[id(mb)] = self._correction(old, mb)
+        st.gather_old(mb, old, ent, corr, mb.cache.get("ref_logp"))
+
+    def _old_policy(
+        self, mb: Micro, cur: Tensor, ent: Tensor, routes: Tensor | None, st: _Step
+    ) -> tuple[Tensor, ISCorrection, Tensor | None]:
+        """Old logprobs, IS correction and reference logprobs for an update over ``mb``: from the
+        old pass when decoupled, else the current policy detached (gathered as the old one)."""
+        if st.decoupled:
+            return mb.cache["old_logp"], st.corrections[id(mb)], mb.cache.get("ref_logp")
+        old, corr = cur.detach(), self._correction(cur.detach(), mb)
+        ref = self._ref_logprobs(mb, routes) if self.ref_model is not None else None
+        st.gather_old(mb, old, ent, corr, ref)
+        return old, corr, ref
 
     def _ref_logprobs(self, mb: Micro, routes: Tensor | None) -> Tensor:
         assert self.ref_model is not None
@@ -254,73 +367,11 @@ class Trainer:
             old, mb.rollout_logp, mb.mask, self.is_mode, self.tis_cap, self.token_mask, self.seq_mask
         )
 
-    def _clip_and_step(self, policy: bool) -> tuple[float, bool]:
-        """Clip the gradient norm and step; a non-finite norm skips the step (weights stay sane)."""
-        max_norm = self.max_grad_norm if self.max_grad_norm else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        ok = math.isfinite(grad_norm)
-        if ok:
-            if policy:
-                lr = self.base_lr * self.schedule.factor(self.policy_updates)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-            self.optimizer.step()
-            self.step += 1
-            self.policy_updates += int(policy)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, ok
-
-    # ---- steps ----------------------------------------------------------------------------
-
-    def train_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
-        """Policy-gradient update(s) on a batch of sequences; returns metrics (all floats).
-
-        Mismatch metrics compare the sampler's logprobs with the trainer's before any update.
-        """
-        n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
-        signal = any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
-        skip = n_loss == 0 or not signal
-        minis = mini_batches(sequences, self.mini_batches)
-        n_updates = self.ppo_epochs * len(minis)
-        st = _Step(decoupled=n_updates > 1 or self._rejects())
-        plan = [self._micro_plan(sequences, mb) for mb in minis]
-        if st.decoupled or skip:
-            for micros in plan:
-                for mb in micros:
-                    self._old_pass_metrics(mb, st)
-        weights = self._weights(sequences, plan, st if (st.decoupled or skip) else None)
-
-        metrics: dict[str, float] = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0}
-        if not skip:
-            loss_total, grad_norms, n_ok = 0.0, [], 0
-            for _epoch in range(self.ppo_epochs):
-                for micros in plan:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    for j, mb in enumerate(micros):
-                        loss_total += self._update_micro(mb, weights, st, last=j == len(micros) - 1)
-                    grad_norm, ok = self._clip_and_step(policy=True)
-                    grad_norms.append(grad_norm)
-                    n_ok += int(ok)
-            metrics = {
-                "train/loss": loss_total / n_updates,
-                "train/grad_norm": grad_norms[0],
-                "train/grad_norm_max": max(grad_norms),
-                "train/skipped": 0.0 if n_ok else 1.0,
-                "train/nonfinite_grad": float(n_updates - n_ok),
-                "train/updates": float(n_ok),
-            }
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics["train/updates"] = 0.0
-        metrics.update(self._step_metrics(sequences, st, n_loss))
-        return metrics
-
-    def _old_pass_metrics(self, mb: Micro, st: _Step) -> None:
-        stats = ReplayStats()
-        self._old_pass(mb, stats)
-        st.first_sight.add(stats, mb)
-        corr = st.corrections[id(mb)] = self._correction(mb.cache["old_logp"], mb)
-        st.gather_old(mb, mb.cache["old_logp"], mb.cache["entropy"], corr, mb.cache.get("ref_logp"))
+    def _sequence_weights(self, seqs: list[TrainingSequence], counts: list[int] | None = None) -> list[float]:
+        """Per-sequence token weight so that sum(weight * kept token loss) is the (mini-)batch loss."""
+        if counts is None:
+            counts = [sum(s.loss_mask[1:]) for s in seqs]
+        return sequence_weights(counts, [s.rollout_id for s in seqs], self._agg)
 
     def _weights(
         self, seqs: list[TrainingSequence], plan: list[list[Micro]], st: _Step | None
@@ -340,44 +391,6 @@ class Trainer:
             for i, w in zip(idx, self._sequence_weights([seqs[i] for i in idx], counts)):
                 weights[i] = w
         return weights
-
-    def _update_micro(self, mb: Micro, weights: list[float], st: _Step, last: bool) -> float:
-        """Forward with grad over one micro-batch, backward, gather metrics; returns its loss."""
-        routes = self._forward_routes(mb, st.decoupled)
-        stats = ReplayStats()
-        with dist.no_sync_if_sharded(self.model, last), self._routing(self.model, routes, None, stats):
-            cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
-            if st.decoupled:
-                old, corr, ref = mb.cache["old_logp"], st.corrections[id(mb)], mb.cache.get("ref_logp")
-            else:
-                old, corr = cur.detach(), self._correction(cur.detach(), mb)
-                ref = self._ref_logprobs(mb, routes) if self.ref_model is not None else None
-                st.gather_old(mb, old, ent, corr, ref)
-            terms = policy_terms(
-                cur,
-                old,
-                mb.rollout_logp,
-                mb.advantages,
-                self.clip_low,
-                self.clip_high,
-                correction=corr,
-                ref_logp=ref,
-                kl_coef=self.kl_coef,
-                entropy=ent,
-                entropy_coef=self.entropy_coef,
-            )
-            w = torch.tensor([weights[i] for i in mb.index], device=self.device)
-            kept = torch.where(terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss))
-            loss = (kept * w.unsqueeze(-1)).sum()
-            loss.backward()  # inside the replay context: recomputation replays the same routes
-        st.update_sight.add(stats, mb)
-        if not st.decoupled:
-            st.first_sight.add(stats, mb)
-        k = terms.keep
-        st.upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
-        st.upd["clipped"].append(terms.clipped[k].float())
-        st.upd["ratio"].append(terms.ratio[k])
-        return float(loss.detach())
 
     def _step_metrics(self, sequences: list[TrainingSequence], st: _Step, n_loss: int) -> dict[str, float]:
         cat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in {**st.old, **st.upd}.items()}
@@ -412,29 +425,6 @@ class Trainer:
                 diff.tokens_differing / diff.tokens if diff.tokens else 0.0
             )
         return metrics
-
-    def sft_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
-        """One supervised step: cross-entropy (temperature 1) on mask-1 tokens, token-mean."""
-        n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
-        if n_loss == 0:
-            return {"sft/loss": 0.0, "sft/grad_norm": 0.0, "sft/tokens": 0.0, "sft/skipped": 1.0}
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        micros = self._micro_plan(sequences, list(range(len(sequences))), routes=False)  # SFT never replays
-        for j, mb in enumerate(micros):
-            with dist.no_sync_if_sharded(self.model, j == len(micros) - 1):
-                logp, _ = self._logprobs(self.model, mb, plain=True)
-            loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
-            loss.backward()
-            loss_total += float(loss.detach())
-        grad_norm, ok = self._clip_and_step(policy=False)
-        return {
-            "sft/loss": loss_total,
-            "sft/grad_norm": grad_norm,
-            "sft/tokens": float(n_loss),
-            "sft/skipped": 0.0 if ok else 1.0,
-            "sft/step": float(self.step),
-        }
 
     # ---- weights and checkpoints ------------------------------------------------------------
 
@@ -515,6 +505,16 @@ class _Step:
         if ref is not None:
             g["kl_ref"].append(k3(old.detach(), ref)[corr.keep])
 
+    def gather_update(self, mb: Micro, stats: ReplayStats, old: Tensor, cur: Tensor, terms: PolicyTerms) -> None:
+        """An update's routes and its PPO quantities on kept tokens."""
+        self.update_sight.add(stats, mb)
+        if not self.decoupled:  # the update was the first forward
+            self.first_sight.add(stats, mb)
+        k = terms.keep
+        self.upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
+        self.upd["clipped"].append(terms.clipped[k].float())
+        self.upd["ratio"].append(terms.ratio[k])
+
 
 class _RouteAcc:
     """Sums ReplayStats over forwards; token fractions are over real (non-padding) tokens."""
@@ -566,3 +566,21 @@ def _load_safetensors_into(model: torch.nn.Module, directory: Path) -> None:
             f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
+
+
+def _settings(
+    config: TrainerConfig | None, sampling: SamplingConfig | None, overrides: dict[str, Any]
+) -> tuple[TrainerConfig, SamplingConfig]:
+    """The trainer and sampling sections with single keys overridden, validated like a config file."""
+    unknown = set(overrides) - set(TrainerConfig.model_fields) - set(SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"Trainer() got unexpected keyword arguments {sorted(unknown)}: neither "
+                        f"trainer settings (TrainerConfig) nor sampling keys {SAMPLING_KEYS}")
+    c, s = config or TrainerConfig(), sampling or SamplingConfig()
+    c_over = {k: v for k, v in overrides.items() if k not in SAMPLING_KEYS}
+    s_over = {k: v for k, v in overrides.items() if k in SAMPLING_KEYS}
+    if c_over:
+        c = TrainerConfig.model_validate({**c.model_dump(), **c_over})
+    if s_over:
+        s = SamplingConfig.model_validate({**s.model_dump(), **s_over})
+    return c, s
