@@ -243,10 +243,8 @@ class Store:
     # ---- reads ------------------------------------------------------------------------------
 
     def calls_for(self, rollout_id: str) -> list[LLMCall]:
-        rows = self._query(
-            f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,)
-        )
-        return [_row_to_call(row) for row in rows]
+        with self._lock:
+            return read_calls(self._conn, rollout_id)
 
     def rollout(self, rollout_id: str, with_calls: bool = True) -> Rollout | None:
         rows = self._query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
@@ -412,6 +410,37 @@ class Store:
             conn.close()
 
 
+# ---- reading calls on any connection to a store file (the dashboard opens its own: monitor/db.py) --------
+
+
+def read_calls(conn: sqlite3.Connection, rollout_id: str) -> list[LLMCall]:
+    """One rollout's calls in order, token arrays included."""
+    cur = conn.cursor()
+    cur.row_factory = sqlite3.Row
+    rows = cur.execute(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,))
+    return [_row_to_call(row) for row in rows.fetchall()]
+
+
+def read_light_calls(conn: sqlite3.Connection, rollout_ids: list[str]) -> dict[str, list[LLMCall]]:
+    """The calls of each rollout without their token arrays (request, text, tool calls, finish reason):
+    what behaviour analytics read, at a fraction of the cost."""
+    out: dict[str, list[LLMCall]] = {rid: [] for rid in rollout_ids}
+    for i in range(0, len(rollout_ids), 500):
+        chunk = rollout_ids[i:i + 500]
+        marks = ", ".join("?" * len(chunk))
+        for r in conn.execute("SELECT rollout_id, idx, wire_format, request_json, finish_reason, completion_text, "
+                              f"tool_calls_json FROM llm_calls WHERE rollout_id IN ({marks}) ORDER BY idx, id", chunk):
+            out[r[0]].append(LLMCall(
+                rollout_id=r[0], index=r[1], wire_format=r[2], request=json.loads(r[3] or "{}"),
+                prompt_ids=[], completion_ids=[], completion_logprobs=[], finish_reason=r[4] or "",
+                weight_version=0, completion_text=r[5] or "", tool_calls=_tool_calls(r[6])))
+    return out
+
+
+def _tool_calls(tool_calls_json: str | None) -> list[ToolCall]:
+    return [ToolCall(**d) for d in json.loads(tool_calls_json or "[]")]
+
+
 def _row_to_call(row: sqlite3.Row) -> LLMCall:
     return LLMCall(
         rollout_id=row["rollout_id"],
@@ -424,7 +453,7 @@ def _row_to_call(row: sqlite3.Row) -> LLMCall:
         finish_reason=row["finish_reason"],
         weight_version=row["weight_version"],
         completion_text=row["completion_text"] or "",
-        tool_calls=[ToolCall(**d) for d in json.loads(row["tool_calls_json"] or "[]")],
+        tool_calls=_tool_calls(row["tool_calls_json"]),
         parent_index=row["parent_index"],
         segment_break=row["segment_break"],
         naive_prompt_differs=bool(row["naive_prompt_differs"]),

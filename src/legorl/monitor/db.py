@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from legorl.records import LLMCall, ToolCall
-from legorl.store import _CALL_COLS, _row_to_call
+from legorl.records import LLMCall
+from legorl.store import read_calls, read_light_calls
 
 T = TypeVar("T")
 
@@ -121,44 +121,37 @@ class RolloutFilter:
     def where(self) -> tuple[str, list[Any]]:
         clauses: list[str] = []
         params: list[Any] = []
-        if self.step is not None:
-            clauses.append("step = ?")
-            params.append(self.step)
-        if self.step_min is not None:
-            clauses.append("step >= ?")
-            params.append(self.step_min)
-        if self.step_max is not None:
-            clauses.append("step <= ?")
-            params.append(self.step_max)
+
+        def add(clause: str, *values: Any) -> None:
+            clauses.append(clause)
+            params.extend(values)
+
+        bounds = (("step = ?", self.step), ("step >= ?", self.step_min), ("step <= ?", self.step_max))
+        for clause, v in bounds:
+            if v is not None:
+                add(clause, v)
         if self.task:
-            clauses.append("(task_id = ? OR task_id LIKE ? ESCAPE '\\')")
             esc = self.task.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params += [self.task, f"%{esc}%"]
+            add("(task_id = ? OR task_id LIKE ? ESCAPE '\\')", self.task, f"%{esc}%")
         if self.harness:
-            clauses.append("harness = ?")
-            params.append(self.harness)
+            add("harness = ?", self.harness)
         if self.outcome:
             if self.outcome == "failed":
-                clauses.append("outcome IS NOT NULL AND outcome != 'resolved'")
+                add("outcome IS NOT NULL AND outcome != 'resolved'")
             elif self.outcome == "pending":
-                clauses.append("outcome IS NULL")
+                add("outcome IS NULL")
             else:
                 names = [o.strip() for o in self.outcome.split(",") if o.strip()]
-                clauses.append(f"outcome IN ({', '.join('?' * len(names))})")
-                params += names
+                add(f"outcome IN ({', '.join('?' * len(names))})", *names)
         if self.split:
-            clauses.append("split = ?")
-            params.append(self.split)
-        if self.reward_min is not None:
-            clauses.append("reward >= ?")
-            params.append(self.reward_min)
-        if self.reward_max is not None:
-            clauses.append("reward <= ?")
-            params.append(self.reward_max)
+            add("split = ?", self.split)
+        for clause, v in (("reward >= ?", self.reward_min), ("reward <= ?", self.reward_max)):
+            if v is not None:
+                add(clause, v)
         if self.masked is True:
-            clauses.append("reward IS NULL AND outcome IS NOT NULL")
+            add("reward IS NULL AND outcome IS NOT NULL")
         elif self.masked is False:
-            clauses.append("reward IS NOT NULL")
+            add("reward IS NOT NULL")
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
 
@@ -360,23 +353,11 @@ class RunDB:
         return d
 
     def calls(self, rollout_id: str) -> list[LLMCall]:
-        rows = self.query(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,))
-        return [_row_to_call(r) for r in rows]
+        return read_calls(self.conn(), rollout_id)
 
     def light_calls(self, rollout_ids: list[str]) -> dict[str, list[LLMCall]]:
         """Calls without token arrays (for behaviour analytics): request, text, tool calls, finish reason."""
-        out: dict[str, list[LLMCall]] = {rid: [] for rid in rollout_ids}
-        for i in range(0, len(rollout_ids), 500):
-            chunk = rollout_ids[i:i + 500]
-            marks = ", ".join("?" * len(chunk))
-            for r in self.query("SELECT rollout_id, idx, wire_format, request_json, finish_reason, completion_text, "
-                                f"tool_calls_json FROM llm_calls WHERE rollout_id IN ({marks}) ORDER BY idx, id", chunk):
-                out[r[0]].append(LLMCall(
-                    rollout_id=r[0], index=r[1], wire_format=r[2], request=json.loads(r[3] or "{}"),
-                    prompt_ids=[], completion_ids=[], completion_logprobs=[], finish_reason=r[4] or "",
-                    weight_version=0, completion_text=r[5] or "",
-                    tool_calls=[ToolCall(**d) for d in json.loads(r[6] or "[]")]))
-        return out
+        return read_light_calls(self.conn(), rollout_ids)
 
     # ---- aggregates --------------------------------------------------------------------------------
     def outcome_counts(self, split: str | None = None) -> OutcomeMatrix:

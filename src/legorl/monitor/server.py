@@ -145,29 +145,19 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    @app.get("/", response_class=HTMLResponse)
-    def overview_page() -> HTMLResponse:
-        return _page("overview", "Overview", run_name)
+    def page_shell(key: str, label: str) -> Callable[[], HTMLResponse]:
+        def shell() -> HTMLResponse:
+            return _page(key, label, run_name)
 
-    @app.get("/rollouts", response_class=HTMLResponse)
-    def rollouts_page() -> HTMLResponse:
-        return _page("rollouts", "Rollouts", run_name)
+        shell.__name__ = f"{key}_page"
+        return shell
+
+    for key, href, label in PAGES:  # the pages of the navigation bar
+        app.get(href, response_class=HTMLResponse)(page_shell(key, label))
 
     @app.get("/rollout/{rollout_id}", response_class=HTMLResponse)
     def rollout_page(rollout_id: str) -> HTMLResponse:
         return _page("trajectory", rollout_id, run_name, {"rollout": rollout_id})
-
-    @app.get("/failures", response_class=HTMLResponse)
-    def failures_page() -> HTMLResponse:
-        return _page("failures", "Failures", run_name)
-
-    @app.get("/behaviour", response_class=HTMLResponse)
-    def behaviour_page() -> HTMLResponse:
-        return _page("behaviour", "Behaviour", run_name)
-
-    @app.get("/alarms", response_class=HTMLResponse)
-    def alarms_page() -> HTMLResponse:
-        return _page("alarms", "Alarms", run_name)
 
     # ---- JSON API (sync handlers: FastAPI runs them in worker threads, off the event loop) -------------
     @app.get("/api/health")
