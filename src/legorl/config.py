@@ -24,6 +24,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _changed(section: BaseModel, *keys: str) -> list[str]:
+    """Those of `keys` whose value is not the default (a saved config.json spells out every key)."""
+    fields = type(section).model_fields
+    return [k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
+
+
 class ModelConfig(_Section):
     path: str | None = None  # a local HF model directory; None builds the embedded tiny model
     vocab_size: int = 4096
@@ -54,6 +60,19 @@ class EngineConfig(_Section):
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
     urls: list[str] = Field(default_factory=list)  # vllm / sglang: one URL per server
     checkpoint_dir: str | None = None  # vllm / sglang: shared-disk directory the servers reload weights from
+
+    @model_validator(mode="after")
+    def _honoured(self) -> EngineConfig:
+        remote = self.kind in ("vllm", "sglang")
+        if remote and not self.urls:
+            raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server")
+        unheard = _changed(self, "max_batch", "prefix_cache_mb") if self.kind != "local" else []
+        unheard += _changed(self, "urls", "checkpoint_dir") if not remote else []
+        for key in unheard:
+            owner = "the embedded engine (engine.kind local)" if key in ("max_batch", "prefix_cache_mb") else \
+                "remote servers (engine.kind vllm or sglang)"
+            raise ValueError(f"engine.{key} is not honoured by engine.kind {self.kind}: it configures {owner}")
+        return self
 
 
 class ProxyConfig(_Section):
@@ -114,6 +133,7 @@ class SandboxLimits:
 
 
 class SandboxConfig(_Section):
+    # The only backend a run builds. The Docker sandbox (sandbox/docker.py) is used from Python for now.
     kind: Literal["bwrap"] = "bwrap"
     command_timeout: float = Field(20.0, gt=0)
     relay_port: int = Field(18000, gt=0, le=65535)
@@ -121,6 +141,14 @@ class SandboxConfig(_Section):
     # workspace_mb, tmp_mb, address_space_mb); unset keys keep legorl's defaults (docs/sandbox.md).
     limits: dict[str, float | None] = Field(default_factory=dict)
     uid: int | None = None  # a root driver runs each sandbox as its own unprivileged uid; 0 = stay root
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _buildable(cls, v: Any) -> Any:
+        if v != "bwrap":
+            raise ValueError(f"a run builds bubblewrap sandboxes only: the supported value is bwrap, not {v!r}; "
+                             "the Docker sandbox is used from Python for now (docs/sandbox.md)")
+        return v
 
     @field_validator("limits")
     @classmethod
@@ -208,13 +236,47 @@ class HarnessConfig(_Section):
         return self  # tool names are checked by the harness that knows them (harness/codex.py)
 
 
+# The built-in task families, in the order tasks are dealt (tasks/builtin.py FAMILIES; a test keeps them equal).
+BUILTIN_FAMILIES = ("wrong_operator", "off_by_one", "wrong_constant", "inverted_condition", "wrong_variable",
+                    "missing_case", "wrong_return", "string_format")
+
+
 class TasksConfig(_Section):
     source: Literal["builtin", "jsonl", "harbor"] = "builtin"
     path: str | None = None  # a SWE-bench-style JSONL file, or a Harbor / terminal-bench task directory
-    families: list[str] | None = None  # built-in families; None = all
+    # builtin only: the suite's families (None = all), train / held-out sizes and the generation seed
+    families: list[str] | None = None
     n_train: int = Field(16, gt=0)
     n_heldout: int = Field(8, ge=0)
     seed: int = 0
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("an empty list leaves no tasks: name at least one family, or null for all")
+        if unknown := [f for f in v if f not in BUILTIN_FAMILIES]:
+            raise ValueError(f"unknown task famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                             f"known: {', '.join(BUILTIN_FAMILIES)}")
+        if len(set(v)) != len(v):
+            raise ValueError("name each family once")
+        return v
+
+    @model_validator(mode="after")
+    def _honoured(self) -> TasksConfig:
+        if self.source == "builtin":
+            if self.path is not None:
+                raise ValueError("tasks.path is read by tasks.source jsonl and harbor; the built-in suite has "
+                                 "no file (drop tasks.path, or set tasks.source)")
+            return self
+        if not self.path:
+            raise ValueError(f"tasks.source {self.source} needs tasks.path (a .jsonl file or a task directory)")
+        for key in _changed(self, "families", "n_train", "n_heldout", "seed"):
+            raise ValueError(f"tasks.{key} shapes the built-in suite and is not honoured by tasks.source "
+                             f"{self.source}, whose tasks and splits come from tasks.path (drop tasks.{key})")
+        return self
 
 
 OutcomeName = Literal["resolved", "unresolved", "agent_timeout", "agent_crash", "no_model_calls",
@@ -328,6 +390,10 @@ class SFTConfig(_Section):
         if self.teacher != "scripted" and (self.check_edits or self.recovery_demos):
             raise ValueError("sft.check_edits and sft.recovery_demos shape the scripted teacher's episodes; "
                              "an upstream teacher writes its own")
+        if self.teacher == "scripted":
+            for key in _changed(self, "teacher_url", "teacher_model"):
+                raise ValueError(f"sft.{key} is for sft.teacher upstream; the scripted teacher plays each "
+                                 "task's gold fix and calls no endpoint")
         return self
 
 
@@ -430,6 +496,21 @@ class Config(_Section):
     def _one_harness_with_ray(self) -> Config:
         if self.ray.address is not None and len(self.harness.names) > 1:
             raise ValueError("harness.name: a list of harnesses runs without Ray for now (ray.address: null)")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_keys_honoured(self) -> Config:
+        if self.ray.address is None:
+            for key in _changed(self.ray, "workers", "num_cpus", "engine_host"):
+                raise ValueError(f"ray.{key} is set but ray.address is null: without Ray every rollout runs in "
+                                 "the driver (set ray.address, or drop the key)")
+            return self
+        if self.engine.kind != "local" and self.ray.engine_host is not None:
+            raise ValueError(f"ray.engine_host is not honoured by engine.kind {self.engine.kind}: the driver "
+                             "serves its engine to the workers only with engine.kind local")
+        if self.proxy.port:
+            raise ValueError("proxy.port is not honoured with ray.address set: each rollout worker runs its own "
+                             "proxy on a free port (leave proxy.port at 0)")
         return self
 
 

@@ -84,7 +84,11 @@ def load_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
         tasks = load_task_spec(t.path)
         train = [x for x in tasks if x.split != "heldout"]
         return train, [x for x in tasks if x.split == "heldout"]
-    return builtin_splits(t.n_train, t.n_heldout, t.seed)
+    try:  # `tasks.families` (None: all) restricts both splits
+        return builtin_splits(t.n_train, t.n_heldout, t.seed, families=t.families)
+    except ValueError as e:  # e.g. too few distinct instances for the splits asked of the families
+        raise ConfigError(f"tasks.families {t.families or 'null (all)'}: {e}; lower tasks.n_train / "
+                          f"tasks.n_heldout or add families") from None
 
 
 @dataclass

@@ -306,10 +306,12 @@ def generate_tasks(
     Instances whose id is in ``exclude`` (or already generated) are redrawn, so every
     returned instance has distinct content.
     """
-    families = list(families or FAMILIES)
+    families = list(FAMILIES if families is None else families)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown task families {unknown}; known: {sorted(FAMILIES)}")
+    if n and not families:
+        raise ValueError("no task families given: name at least one (None: all)")
     seen = set(exclude or ())
     tasks: list[Task] = []
     for i in range(n):
@@ -325,10 +327,12 @@ def generate_tasks(
     return tasks
 
 
-def builtin_splits(n_train: int, n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
-    """Train and held-out sets that share no instance (ids and contents both disjoint)."""
-    train = generate_tasks(None, n_train, seed, "train")
-    heldout = generate_tasks(None, n_heldout, seed + 7919, "heldout", exclude={t.instance_id for t in train})
+def builtin_splits(
+    n_train: int, n_heldout: int, seed: int, families: list[str] | None = None
+) -> tuple[list[Task], list[Task]]:
+    """Train and held-out sets of `families` (None: all) that share no instance (ids and contents both disjoint)."""
+    train = generate_tasks(families, n_train, seed, "train")
+    heldout = generate_tasks(families, n_heldout, seed + 7919, "heldout", exclude={t.instance_id for t in train})
     train_content = {json.dumps(t.files, sort_keys=True) for t in train}
     if train_content & {json.dumps(t.files, sort_keys=True) for t in heldout}:
         raise RuntimeError("built-in train and held-out splits share an instance")
