@@ -163,7 +163,7 @@ def test_dotted_references_name_real_keys() -> None:
     assert not bad, "references to keys that do not exist:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("block", re.findall(r"```yaml\n(.*?)```", TEXT, re.S) or ["missing"])
+@pytest.mark.parametrize("block", re.findall(r"```yaml\n(.*?)```", TEXT, re.DOTALL) or ["missing"])
 def test_yaml_examples_load(block: str, tmp_path: Path) -> None:
     assert block != "missing", "the page should show a config file"
     path = tmp_path / "example.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import legorl.pipeline as pipeline
+from legorl import pipeline
 from legorl.config import BUILTIN_FAMILIES, ConfigError, load_config
 from legorl.pipeline import Driver, load_tasks
 from legorl.tasks import FAMILIES

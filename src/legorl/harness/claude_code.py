@@ -16,74 +16,28 @@ Exit status (see rollout/outcomes.py): "Submitted" when Claude Code reports succ
 
 from __future__ import annotations
 
-import asyncio
-import json
-import shlex
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
-from legorl.sandbox.client import SandboxClient, SandboxError
-
-NPM_BIN = Path(__file__).resolve().parents[3] / ".venv" / "npm" / "node_modules" / ".bin"
-DEFAULT_INSTANCE_TEMPLATE = "Fix this issue in the repository in the current directory.\n\n{task}"
-
-
-def find_cli(name: str, explicit: str | None = None) -> str:
-    """The CLI's absolute path (the host root is visible read-only inside the sandbox)."""
-    import shutil
-
-    for cand in (explicit, str(NPM_BIN / name), shutil.which(name)):
-        if cand and Path(cand).exists():
-            return str(Path(cand).absolute())
-    raise HarnessCrashed(f"{name} CLI not found (looked in {NPM_BIN} and PATH): run `make setup-test` or "
-                         f"`npm install --prefix .venv/npm` the pinned version")
+from legorl.harness.in_sandbox import (  # noqa: F401 - NPM_BIN and the helpers were always importable from here
+    DEFAULT_INSTANCE_TEMPLATE,
+    NPM_BIN,
+    SandboxedCLI,
+    exec_cli,
+    find_cli,
+    last_json,
+)
 
 
-def last_json(output: str, predicate: Any = None) -> dict[str, Any] | None:
-    """The last line of `output` that is a JSON object (matching `predicate`)."""
-    for line in reversed(output.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict) and (predicate is None or predicate(obj)):
-                return obj
-    return None
+@dataclass(kw_only=True)
+class ClaudeCodeHarness(SandboxedCLI):
+    """Harness protocol adapter for Claude Code (`claude -p`). `system_prompt` is --system-prompt
+    (it replaces Claude Code's own), `append_system_prompt` --append-system-prompt, `tools` --tools
+    (the built-in tools it declares, e.g. Bash, Edit, Read)."""
 
-
-async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: float) -> tuple[str, int]:
-    """Run `command` inside the rollout's sandbox; TimeoutError when it ran out of time."""
-    client = SandboxClient(run.control_socket)
-    try:
-        r = await asyncio.to_thread(client.exec, command, timeout, "/workspace", env)
-    except SandboxError as e:
-        raise HarnessCrashed(f"the sandbox failed while the harness ran: {e}") from e
-    if r.timed_out:
-        raise TimeoutError(f"the harness did not finish within {timeout:.0f}s")
-    return r.output, r.returncode
-
-
-@dataclass
-class ClaudeCodeHarness:
-    """Harness protocol adapter for Claude Code (`claude -p`)."""
-
+    cli = "claude"
     max_turns: int = 30
-    timeout: float = 3600.0  # the episode's agent_timeout usually ends it sooner
-    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
-    binary: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
-    system_prompt: str | None = None  # --system-prompt: replaces Claude Code's own
-    append_system_prompt: str | None = None  # --append-system-prompt
-    tools: list[str] | None = None  # --tools: the built-in tools it declares (e.g. Bash, Edit, Read)
     name: str = "claude-code"
-
-    async def start(self) -> None:
-        self.binary = find_cli("claude", self.binary)
 
     def env(self, run: HarnessRun) -> dict[str, str]:
         if not run.relay_base:
@@ -113,16 +67,10 @@ class ClaudeCodeHarness:
             "TERM": "dumb",
             "HOME": "/tmp",
         }
-        for k, v in self.extra_env.items():
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = v
-        return env
+        return self.with_extra_env(env)
 
     def command(self, run: HarnessRun) -> str:
-        prompt = self.instance_template.replace("{task}", run.task_text)
-        argv = [self.binary or "claude", "-p", prompt, "--output-format", "json", "--dangerously-skip-permissions",
+        argv = ["-p", self.prompt(run), "--output-format", "json", "--dangerously-skip-permissions",
                 "--max-turns", str(self.max_turns), "--model", run.model_name]
         if self.system_prompt is not None:
             argv += ["--system-prompt", self.system_prompt]
@@ -130,8 +78,7 @@ class ClaudeCodeHarness:
             argv += ["--append-system-prompt", self.append_system_prompt]
         if self.tools is not None:
             argv += ["--tools", ",".join(self.tools)]
-        argv += self.extra_args
-        return " ".join(shlex.quote(a) for a in argv)
+        return self.shell(*argv, *self.extra_args)
 
     async def run(self, run: HarnessRun) -> HarnessResult:
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
@@ -150,6 +97,3 @@ class ClaudeCodeHarness:
             status = str(res.get("terminal_reason") or subtype or "error")
         return HarnessResult(exit_status=status, n_calls=turns, error=error,
                              messages=[{"role": "assistant", "content": str(res.get("result") or "")}])
-
-    async def close(self) -> None:
-        return None

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.claude_code import DEFAULT_INSTANCE_TEMPLATE, exec_cli, find_cli
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line
 from legorl.sandbox.client import SandboxClient
 
 CODEX_HOME = "/tmp/.codex-legorl"
@@ -95,28 +94,20 @@ def codex_config(run: HarnessRun, *, retries: int = 2, extra: dict[str, Any] | N
     ])
 
 
-@dataclass
-class CodexHarness:
-    """Harness protocol adapter for the Codex CLI (`codex exec`)."""
+@dataclass(kw_only=True)
+class CodexHarness(SandboxedCLI):
+    """Harness protocol adapter for the Codex CLI (`codex exec`). `system_prompt` replaces Codex's
+    instructions (its model instructions file), `append_system_prompt` is its developer_instructions,
+    `tools` keeps only these tools (and the shell)."""
 
-    timeout: float = 3600.0  # the episode's agent_timeout usually ends it sooner
-    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
-    binary: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
+    cli = "codex"
     retries: int = 2
-    system_prompt: str | None = None  # replaces Codex's instructions (its model instructions file)
-    append_system_prompt: str | None = None  # Codex's developer_instructions
-    tools: list[str] | None = None  # keep only these tools (and the shell)
     config: dict[str, Any] = field(default_factory=dict)  # more config.toml keys
     max_calls: int | None = None  # enforced by the proxy session (Codex has no turn limit)
     name: str = "codex"
 
     def __post_init__(self) -> None:
         self.config_keys()  # an unknown tool or a value TOML cannot hold fails at construction
-
-    async def start(self) -> None:
-        self.binary = find_cli("codex", self.binary)
 
     def config_keys(self) -> dict[str, Any]:
         """The top-level config.toml keys the switches above set (the config's own keys win)."""
@@ -133,18 +124,11 @@ class CodexHarness:
     def env(self, run: HarnessRun) -> dict[str, str]:
         env = {"CODEX_HOME": CODEX_HOME, "LEGORL_API_KEY": run.api_key, "HOME": "/tmp", "NO_COLOR": "1",
                "TERM": "dumb", "RUST_LOG": "error"}
-        for k, v in self.extra_env.items():
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = v
-        return env
+        return self.with_extra_env(env)
 
     def command(self, run: HarnessRun) -> str:
-        prompt = self.instance_template.replace("{task}", run.task_text)
-        argv = [self.binary or "codex", "exec", "--json", "--skip-git-repo-check",
-                "--dangerously-bypass-approvals-and-sandbox", "-C", "/workspace", *self.extra_args, prompt]
-        return " ".join(shlex.quote(a) for a in argv)
+        return self.shell("exec", "--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                          "-C", "/workspace", *self.extra_args, self.prompt(run))
 
     async def run(self, run: HarnessRun) -> HarnessResult:
         if not run.relay_base:
@@ -157,7 +141,7 @@ class CodexHarness:
         if self.system_prompt is not None:
             await asyncio.to_thread(client.write_file, INSTRUCTIONS_FILE, self.system_prompt)
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
-        events = [e for e in (_json_line(line) for line in output.splitlines()) if e is not None]
+        events = [e for e in (json_line(line) for line in output.splitlines()) if e is not None]
         kinds = [e.get("type") for e in events]
         errors = [str(e.get("message") or e.get("error") or e) for e in events
                   if e.get("type") in ("error", "turn.failed")]
@@ -172,17 +156,3 @@ class CodexHarness:
             status, error = "exited", f"codex exited with {rc} before completing a turn: {output[-2000:]}"
         return HarnessResult(exit_status=status, n_calls=n_items, error=error,
                              messages=[{"role": "assistant", "content": final[-1] if final else ""}])
-
-    async def close(self) -> None:
-        return None
-
-
-def _json_line(line: str) -> dict | None:
-    line = line.strip()
-    if not line.startswith("{"):
-        return None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None

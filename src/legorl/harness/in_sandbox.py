@@ -1,0 +1,104 @@
+"""What the coding-agent CLIs that run INSIDE the rollout's sandbox share (Claude Code, Codex).
+
+Each adapter is a `SandboxedCLI`: the CLI is found on the host (the host root is visible read-only
+inside the sandbox), its prompt is the task through `instance_template`, its environment is the
+adapter's plus `extra_env`, and its command line runs in /workspace through the sandbox's control
+socket. The adapters differ only in the command line, the environment and how they read the
+CLI's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from legorl.harness.base import HarnessCrashed, HarnessRun
+from legorl.sandbox.client import SandboxClient, SandboxError
+
+NPM_BIN = Path(__file__).resolve().parents[3] / ".venv" / "npm" / "node_modules" / ".bin"
+DEFAULT_INSTANCE_TEMPLATE = "Fix this issue in the repository in the current directory.\n\n{task}"
+
+
+def find_cli(name: str, explicit: str | None = None) -> str:
+    """The CLI's absolute path (the host root is visible read-only inside the sandbox)."""
+    import shutil
+
+    for cand in (explicit, str(NPM_BIN / name), shutil.which(name)):
+        if cand and Path(cand).exists():
+            return str(Path(cand).absolute())
+    raise HarnessCrashed(f"{name} CLI not found (looked in {NPM_BIN} and PATH): run `make setup-test` or "
+                         f"`npm install --prefix .venv/npm` the pinned version")
+
+
+def json_line(line: str) -> dict[str, Any] | None:
+    """`line` as a JSON object, or None when it is not one."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def last_json(output: str, predicate: Any = None) -> dict[str, Any] | None:
+    """The last line of `output` that is a JSON object (matching `predicate`)."""
+    for line in reversed(output.splitlines()):
+        obj = json_line(line)
+        if obj is not None and (predicate is None or predicate(obj)):
+            return obj
+    return None
+
+
+async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: float) -> tuple[str, int]:
+    """Run `command` inside the rollout's sandbox; TimeoutError when it ran out of time."""
+    client = SandboxClient(run.control_socket)
+    try:
+        r = await asyncio.to_thread(client.exec, command, timeout, "/workspace", env)
+    except SandboxError as e:
+        raise HarnessCrashed(f"the sandbox failed while the harness ran: {e}") from e
+    if r.timed_out:
+        raise TimeoutError(f"the harness did not finish within {timeout:.0f}s")
+    return r.output, r.returncode
+
+
+@dataclass(kw_only=True)
+class SandboxedCLI:
+    """The switches every in-sandbox CLI adapter takes; subclasses set `cli` and build argv and env."""
+
+    cli: ClassVar[str]  # the executable's name, looked up by start()
+    timeout: float = 3600.0  # the episode's agent_timeout usually ends it sooner
+    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
+    binary: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str | None] = field(default_factory=dict)  # None removes a variable
+    system_prompt: str | None = None
+    append_system_prompt: str | None = None
+    tools: list[str] | None = None
+
+    async def start(self) -> None:
+        self.binary = find_cli(self.cli, self.binary)
+
+    async def close(self) -> None:
+        return None
+
+    def prompt(self, run: HarnessRun) -> str:
+        return self.instance_template.replace("{task}", run.task_text)
+
+    def with_extra_env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with `extra_env` applied (a None value removes the variable)."""
+        for k, v in self.extra_env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        return env
+
+    def shell(self, *argv: str) -> str:
+        """The command line: the CLI (found by start()) and `argv`, quoted for the sandbox's shell."""
+        return " ".join(shlex.quote(a) for a in (self.binary or self.cli, *argv))
