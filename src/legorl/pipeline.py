@@ -63,13 +63,6 @@ console = Console(stderr=True)
 transformers.utils.logging.disable_progress_bar()  # the run has its own progress display
 
 
-def model_spec(cfg: Config) -> ModelSpec:
-    m = cfg.model
-    return ModelSpec(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                     num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size,
-                     max_position_embeddings=m.max_position_embeddings, seed=m.seed, vocab_size=m.vocab_size)
-
-
 def make_trainer(cfg: Config, policy: torch.nn.Module, pad_id: int) -> Trainer:
     """The run's trainer: its `trainer` section, the `sampling` the engine samples with, `run.steps` RL steps."""
     return Trainer(policy, cfg.trainer, sampling=cfg.sampling, total_steps=cfg.run.steps, pad_id=pad_id)
@@ -147,7 +140,8 @@ class Driver:
         self.store.add_run(cfg.run.name, cfg.model_dump())
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
 
-        policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path, model_spec(cfg),
+        policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path,
+                                                         ModelSpec.from_config(cfg.model),
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
         self.engine = await self._make_engine()
@@ -179,13 +173,11 @@ class Driver:
                                       tokenizer=self.tokenizer, store=self.store, engine=self.engine,
                                       policies=policies)
             await self.cluster.start()
-            self.runner = GroupRunner(self.cluster.run_episode, policies, concurrency=r.concurrency,
-                                      max_retries=r.max_retries, backoff=r.retry_backoff)
+            self.runner = GroupRunner(self.cluster.run_episode, policies, r)
         else:
             self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harnesses, store=self.store,
                                     run_dir=self.run_dir, label=self.label, hide_paths=hide)
-            self.runner = GroupRunner.local(self.ctx, concurrency=r.concurrency, max_retries=r.max_retries,
-                                            backoff=r.retry_backoff)
+            self.runner = GroupRunner.local(self.ctx, r)
         return self
 
     async def _make_engine(self) -> Any:
@@ -194,9 +186,9 @@ class Driver:
             return ScriptedEngine(self.tokenizer)
         if e.kind in ("vllm", "sglang"):
             return make_remote_engine(self.cfg, self.tokenizer)
-        model, _ = await asyncio.to_thread(load_or_build, self.cfg.model.path, model_spec(self.cfg), self.cache_dir)
-        return LocalEngine(model, self.tokenizer, max_batch=e.max_batch, prefix_cache_mb=e.prefix_cache_mb,
-                           num_threads=e.torch_threads or None)
+        model, _ = await asyncio.to_thread(load_or_build, self.cfg.model.path,
+                                             ModelSpec.from_config(self.cfg.model), self.cache_dir)
+        return LocalEngine(model, self.tokenizer, e)
 
     def engine_stats(self) -> dict[str, Any]:
         stats = getattr(self.engine, "stats", None)

@@ -7,6 +7,10 @@ from typing import Annotated
 
 import typer
 
+from legorl.config import EngineConfig
+
+_ENGINE = EngineConfig()  # the `engine` section's defaults, as `legorl train` has them
+
 
 def serve_command(
     model: Annotated[
@@ -14,7 +18,7 @@ def serve_command(
         typer.Option(
             "--model",
             "-m",
-            help="local HF model directory; default: the built-in tiny Qwen3 (ModelSpec defaults)",
+            help="local HF model directory; default: the built-in tiny Qwen3 of the default model section",
         ),
     ] = None,
     host: Annotated[str, typer.Option("--host", help="bind address")] = "127.0.0.1",
@@ -22,12 +26,14 @@ def serve_command(
     served_model_name: Annotated[
         str, typer.Option("--served-model-name", help="name in /v1/models")
     ] = "legorl-policy",
-    max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences (KV slots)")] = 32,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences (KV slots)")]
+    = _ENGINE.max_batch,
     max_context: Annotated[int | None, typer.Option("--max-context", help="cap on context length")] = None,
     prefix_cache_mb: Annotated[
         float, typer.Option("--prefix-cache-mb", help="prefix cache bound; 0 = off")
-    ] = 512.0,
-    threads: Annotated[int | None, typer.Option("--threads", help="torch intra-op threads")] = None,
+    ] = _ENGINE.prefix_cache_mb,
+    threads: Annotated[int, typer.Option("--threads", help="torch intra-op threads; 0: torch's default")]
+    = _ENGINE.torch_threads,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
         str, typer.Option("--dtype", help="float32 (exact logprobs), bfloat16 or float16")
@@ -56,14 +62,8 @@ def serve_command(
     import torch
 
     policy = policy.to(device=device, dtype=getattr(torch, dtype))
-    engine = LocalEngine(
-        policy,
-        tokenizer,
-        max_batch=max_batch,
-        prefix_cache_mb=prefix_cache_mb,
-        max_context=max_context,
-        num_threads=threads,
-    )
+    engine = LocalEngine(policy, tokenizer, max_batch=max_batch, prefix_cache_mb=prefix_cache_mb,
+                         torch_threads=threads, max_context=max_context)
     server = EngineServer(engine, tokenizer, served_model_name, str(model) if model else None)
     console.print(
         f"legorl serve: {served_model_name} ({engine.backend} engine, context {engine.max_context()}) "

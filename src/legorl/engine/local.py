@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from legorl.config import EngineConfig
 from legorl.engine.base import EngineError, check_prompt
 from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.hf import HFDecoder
@@ -114,36 +115,38 @@ def _resolve(
 class LocalEngine:
     """Engine running a transformers causal LM in a background thread (see module docstring).
 
-    Args:
-        max_batch: concurrent sequences (KV slots, each ``max_context`` long, preallocated).
+    Its settings are the ``engine`` section's (``config``, default ``EngineConfig()``), single keys
+    overridable by keyword: ``max_batch`` (concurrent sequences: KV slots, each ``max_context``
+    long, preallocated), ``prefix_cache_mb`` (memory bound of the prefix cache; 0 turns prefix
+    reuse off) and ``torch_threads`` (torch intra-op threads, process-wide; 0 leaves torch's).
+
+    Args (not settings):
         stop_token_ids: engine-wide stop ids (default ``<|im_end|>``, ``<|endoftext|>``).
-        prefix_cache_mb: memory bound of the prefix cache; 0 turns prefix reuse off.
         fast: None = the fast forward when it covers the model (checked against the HF logits at
             start-up), True = require it, False = always the HF fallback.
         max_context: cap on the context (default: the model's ``max_position_embeddings``).
         prefill_chunk: prefill token budget between two decode steps (at least one request is
             admitted per step), so long prompts do not stall running sequences for long.
-        num_threads: torch intra-op threads (process-wide; None leaves torch's setting).
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        max_batch: int = 32,
-        stop_token_ids: list[int] | None = None,
+        config: EngineConfig | None = None,
         *,
-        prefix_cache_mb: float = 512.0,
+        stop_token_ids: list[int] | None = None,
         fast: bool | None = None,
         max_context: int | None = None,
         prefill_chunk: int = 2048,
-        num_threads: int | None = None,
+        **settings: Any,
     ) -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        c = EngineConfig.model_validate({**(config or EngineConfig()).model_dump(), **settings})
+        if c.torch_threads:
+            torch.set_num_threads(c.torch_threads)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_batch = max_batch
+        self.max_batch = c.max_batch
         self.prefill_chunk = prefill_chunk
         self.weight_version = 0
         if stop_token_ids is None:
@@ -164,7 +167,7 @@ class LocalEngine:
         self.decoder: Decoder = self._make_decoder(fast)
         self.backend = "fast" if isinstance(self.decoder, FastDecoder) else "hf"
         self._record_routes = self.decoder.routes is not None
-        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20))
+        self.prefix = PrefixCache(int(c.prefix_cache_mb * 2**20))
         self._stats = collections.Counter[str]()
         self._seed_rng = random.Random()
         self._cv = threading.Condition()

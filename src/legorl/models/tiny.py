@@ -7,7 +7,6 @@ save/load, vLLM later) serve real checkpoints unchanged. Weights are initialised
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ConfigDict
 from transformers import (
     AutoModelForCausalLM,
     PreTrainedModel,
@@ -26,42 +26,41 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from legorl.config import ModelConfig
 from legorl.models.tokenizer import IM_END, build_tokenizer, load_tokenizer
 
 ATTN_IMPLEMENTATION = "sdpa"  # works on CPU in fp32 and handles padded batches
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_position_embeddings: int = 2048
+class ModelSpec(ModelConfig):
+    """The built-in tiny model's recipe: the ``model`` section's dimensions (their defaults are the
+    config's) plus what a run config does not set. Frozen: built models are cached by ``key()``."""
+
+    model_config = ConfigDict(frozen=True)
+
     head_dim: int = 32
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
-    seed: int = 0
-    vocab_size: int = 4096  # tokenizer training target; the model uses the real len(tokenizer)
     moe: bool = False  # Qwen3-MoE: every layer's MLP becomes num_experts experts, top-k routed
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
 
     def key(self) -> str:
-        """Stable hash of the spec: the cache key for built models."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        """Stable hash of the recipe (``path`` is where a model is loaded from, not how one is built)."""
+        blob = json.dumps(self.model_dump(exclude={"path"}), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
+    def from_config(cls, model: ModelConfig, **recipe: Any) -> ModelSpec:
+        """The spec of a run's ``model`` section, with recipe keys (``moe``, ``head_dim``, ...) as given."""
+        return cls(**model.model_dump(), **recipe)
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(cls.model_fields)
         if unknown:
-            raise ValueError(
-                f"unknown ModelSpec fields {sorted(unknown)}; valid: "
-                f"{[f.name for f in dataclasses.fields(cls)]}"
-            )
+            raise ValueError(f"unknown ModelSpec fields {sorted(unknown)}; valid: {list(cls.model_fields)}")
         return cls(**d)
 
 

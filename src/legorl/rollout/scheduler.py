@@ -19,8 +19,9 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from legorl.config import RolloutConfig
 from legorl.records import Outcome, Rollout
 from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.rollout.outcomes import Policy
@@ -57,21 +58,23 @@ def zero_variance(group: list[Rollout], advantage: str = "grpo") -> bool:
 
 
 class GroupRunner:
-    def __init__(self, run: RunEpisode, policies: dict[Outcome, Policy], *, concurrency: int,
-                 max_retries: int = 2, backoff: float = 1.0, cancel_wait: float = 60.0):
+    """Runs groups of rollouts with the ``rollout`` section's ``concurrency``, ``max_retries`` and
+    ``retry_backoff`` (``config``, default ``RolloutConfig()``; single keys overridable by keyword)."""
+
+    def __init__(self, run: RunEpisode, policies: dict[Outcome, Policy], config: RolloutConfig | None = None, *,
+                 cancel_wait: float = 60.0, **settings: Any):
+        c = RolloutConfig.model_validate({**(config or RolloutConfig()).model_dump(), **settings})
         self.run = run
         self.cancel_wait = cancel_wait  # seconds a cancelled straggler gets to clean up and record itself
         self.policies = policies
-        self.sem = asyncio.Semaphore(concurrency)
-        self.max_retries = max_retries
-        self.backoff = backoff
+        self.sem = asyncio.Semaphore(c.concurrency)
+        self.max_retries = c.max_retries
+        self.backoff = c.retry_backoff
 
     @classmethod
-    def local(cls, ctx: EpisodeContext, *, concurrency: int, max_retries: int = 2,
-              backoff: float = 1.0) -> GroupRunner:
+    def local(cls, ctx: EpisodeContext, config: RolloutConfig | None = None, **settings: Any) -> GroupRunner:
         """Episodes in this process, with the driver's context."""
-        return cls(functools.partial(run_episode, ctx), ctx.policies, concurrency=concurrency,
-                   max_retries=max_retries, backoff=backoff)
+        return cls(functools.partial(run_episode, ctx), ctx.policies, config, **settings)
 
     async def _one(self, task: Task, step: int, sample: int, split: str, stats: GroupStats,
                    harness: str | None = None) -> Rollout:
