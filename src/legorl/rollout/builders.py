@@ -97,4 +97,5 @@ def make_context(cfg: Config, *, proxy: Proxy, harness: Harness | dict[str, Harn
                           hide_paths=hide_paths, agent_timeout=r.agent_timeout,
                           grading_timeout=r.grading_timeout, policies=resolve_policies(r.policies),
                           faults=cfg.faults, limits=SandboxLimits.from_dict(cfg.sandbox.limits),
-                          sandbox_uid=cfg.sandbox.uid, require_submit=r.require_submit)
+                          sandbox_uid=cfg.sandbox.uid, relay_port=cfg.sandbox.relay_port,
+                          require_submit=r.require_submit)

@@ -25,6 +25,7 @@ from legorl.records import GraderReport, Outcome, Rollout
 from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
 from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
 from legorl.sandbox import BwrapSandbox
+from legorl.sandbox.control import RELAY_PORT
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
 from legorl.tasks import Task, prepare_repo
@@ -51,6 +52,7 @@ class EpisodeContext:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     limits: SandboxLimits | None = None  # None: the sandbox's defaults
     sandbox_uid: int | None = None
+    relay_port: int = RELAY_PORT  # inside the sandbox, 127.0.0.1:relay_port reaches the proxy
     require_submit: bool = True  # only a submitted episode can be resolved (outcomes.decide)
 
 
@@ -120,8 +122,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
             sandbox = await BwrapSandbox.create(
                 workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
-                proxy_socket=ctx.proxy.unix_socket, hide_paths=ctx.hide_paths, limits=ctx.limits,
-                inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid)
+                proxy_socket=ctx.proxy.unix_socket, relay_port=ctx.relay_port, hide_paths=ctx.hide_paths,
+                limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid)
         except Exception as e:
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0

@@ -40,11 +40,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from legorl.sandbox.client import SandboxError
-from legorl.sandbox.control import ControlledSandbox
+from legorl.sandbox.control import RELAY_PORT, ControlledSandbox, open_to, sandbox_dirs
 from legorl.sandbox.limits import MiB, SandboxLimits
 from legorl.sandbox.procs import alive, cmdline, kill_tree, process_tree
 from legorl.sandbox.rootfs import hidden_inside, passwd_lines, visible_paths
-from legorl.sandbox.watchdog import WATCHDOG, Watch
 
 __all__ = ["BwrapSandbox", "bwrap_argv", "kill_tree", "process_tree", "reap_orphans", "sandbox_ids"]
 
@@ -72,16 +71,6 @@ def sandbox_ids(uid: int | None = None) -> tuple[int, int] | None:
         fixed = os.environ.get("LEGORL_SANDBOX_UID")
         uid = int(fixed) if fixed else SANDBOX_UID_BASE + secrets.randbelow(SANDBOX_UID_SPAN)
     return (uid, uid) if uid != 0 else None
-
-
-def chown_tree(root: Path, uid: int, gid: int) -> None:
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in (*dirnames, *filenames):
-            try:
-                os.lchown(os.path.join(dirpath, name), uid, gid)
-            except FileNotFoundError:
-                pass
 
 
 # What every sandbox (bwrap or docker) sets, whatever its PATH.
@@ -246,7 +235,7 @@ class BwrapSandbox(ControlledSandbox):
         sandbox_dir: Path,
         label: str,
         proxy_socket: Path | None = None,
-        relay_port: int = 18000,
+        relay_port: int = RELAY_PORT,
         hide_paths: Sequence[Path] = (),
         memory_mb: int | None = None,
         env: dict[str, str] | None = None,
@@ -270,27 +259,11 @@ class BwrapSandbox(ControlledSandbox):
         limits = limits or SandboxLimits()
         if memory_mb is not None:
             limits = limits.with_(memory_mb=memory_mb)
-        workspace, sandbox_dir = Path(workspace).resolve(), Path(sandbox_dir).resolve()
-        ctl = sandbox_dir / "ctl"
-        ctl.mkdir(parents=True, exist_ok=True)
-        empty = sandbox_dir / "empty"
+        workspace, sandbox_dir, ctl = sandbox_dirs(workspace, sandbox_dir, proxy_socket)
+        empty = sandbox_dir / "empty"  # bound over hidden dirs
         empty.mkdir(exist_ok=True)
-        if proxy_socket is not None and not Path(proxy_socket).exists():
-            raise SandboxError(f"proxy socket {proxy_socket} does not exist: start the proxy first")
-        if not workspace.is_dir():
-            raise SandboxError(f"workspace {workspace} is not a directory")
         ids = sandbox_ids(sandbox_uid)
-        passwd_dir = None
-        if ids is not None:
-            await asyncio.to_thread(chown_tree, workspace, *ids)
-            if proxy_socket is not None:  # connecting to a Unix socket needs write permission on it
-                mode = os.stat(proxy_socket).st_mode
-                os.chmod(proxy_socket, (mode & 0o7777) | 0o666)
-            if (lines := passwd_lines(*ids)) is not None:
-                passwd_dir = sandbox_dir / "etc"
-                passwd_dir.mkdir(exist_ok=True)
-                (passwd_dir / "passwd").write_text(lines[0])
-                (passwd_dir / "group").write_text(lines[1])
+        passwd_dir = await _enter_as(ids, workspace, proxy_socket, sandbox_dir) if ids is not None else None
         argv = bwrap_argv(
             workspace=workspace,
             ctl_dir=ctl,
@@ -308,66 +281,79 @@ class BwrapSandbox(ControlledSandbox):
             passwd_dir=passwd_dir,
             drop_to=ids,
         )
-        log = os.open(sandbox_dir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        # Shielded: cancelling asyncio's subprocess set-up midway can leave the started bwrap
-        # unowned (a leaked sandbox) or hang the canceller on CPython 3.11. A cancelled caller
-        # leaves at once; the spawn completes on its own and the sandbox is killed when it does.
-        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,  # the agent's lifeline: it exits when this process is gone
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-            start_new_session=True,
-        ))
-        spawn.add_done_callback(lambda _: os.close(log))  # not before: a cancelled caller's spawn still uses it
-        try:
-            proc = await asyncio.shield(spawn)
-        except asyncio.CancelledError:
-            spawn.add_done_callback(lambda f: _discard_spawned(f, start_timeout))
-            raise
-        except OSError as e:
-            raise SandboxError(f"could not start bwrap: {e}") from e
-        (sandbox_dir / "label.json").write_text(
+        proc = await _spawn(argv, sandbox_dir / "bwrap.log", start_timeout)
+        (sandbox_dir / "label.json").write_text(  # what reap_orphans finds after a killed run
             json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time(), "uid": ids and ids[0]})
         )
         box = cls(proc, workspace, sandbox_dir, label, relay_port, inside_workspace)
-        assert proc.stdout is not None
+        await box._until_ready(start_timeout)
+        box._watch(limits, proc.pid, memory=True)
+        return box
+
+    async def _until_ready(self, start_timeout: float) -> None:
+        """Wait for the agent's ``ready`` line; a sandbox that does not start is closed, and the
+        error carries the end of bwrap's log."""
+        assert self.proc.stdout is not None
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), start_timeout)
+            line = await asyncio.wait_for(self.proc.stdout.readline(), start_timeout)
         except TimeoutError:
             line = b""
         except asyncio.CancelledError:
-            _discard_later(proc, start_timeout)  # the caller never gets the box to close
+            _discard_later(self.proc, start_timeout)  # the caller never gets the box to close
             raise
         if line.strip() != b"ready":
-            await box.close()
-            tail = (sandbox_dir / "bwrap.log").read_text(errors="replace")[-2000:]
-            raise SandboxError(f"sandbox {label} did not start (bwrap exit {proc.returncode}): {tail}")
-        deadline = time.monotonic() + limits.lifetime_s if limits.lifetime_s else None
-        box.watch = WATCHDOG.add(
-            Watch(
-                pid=proc.pid,
-                label=label,
-                workspace=workspace,
-                memory_bytes=limits.memory_mb and limits.memory_mb * MiB,
-                workspace_bytes=limits.workspace_mb and limits.workspace_mb * MiB,
-                deadline=deadline,
-            )
-        )
-        return box
+            await self.close()
+            tail = (self.sandbox_dir / "bwrap.log").read_text(errors="replace")[-2000:]
+            exit_code = self.proc.returncode
+            raise SandboxError(f"sandbox {self.label} did not start (bwrap exit {exit_code}): {tail}")
 
-    async def close(self) -> None:
-        """Kill bwrap and everything under it. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.watch is not None:
-            WATCHDOG.remove(self.watch)
+    async def _stop(self) -> None:
+        """Kill bwrap and everything under it."""
         kill_tree(self.proc.pid)
         try:
             await asyncio.wait_for(self.proc.wait(), 10)
         except TimeoutError:
             pass
+
+
+async def _enter_as(
+    ids: tuple[int, int], workspace: Path, proxy_socket: Path | None, sandbox_dir: Path
+) -> Path | None:
+    """Prepare for a sandbox that runs as uid/gid ``ids``: what it may use (``open_to``), and the
+    dir holding the passwd and group files that name its user (None when not needed)."""
+    await open_to(ids, workspace, proxy_socket)
+    if (lines := passwd_lines(*ids)) is None:
+        return None
+    passwd_dir = sandbox_dir / "etc"
+    passwd_dir.mkdir(exist_ok=True)
+    (passwd_dir / "passwd").write_text(lines[0])
+    (passwd_dir / "group").write_text(lines[1])
+    return passwd_dir
+
+
+async def _spawn(argv: list[str], log_path: Path, start_timeout: float) -> asyncio.subprocess.Process:
+    """Start bwrap, its stderr to ``log_path``.
+
+    Shielded: cancelling asyncio's subprocess set-up midway can leave the started bwrap unowned
+    (a leaked sandbox) or hang the canceller on CPython 3.11. A cancelled caller leaves at once;
+    the spawn completes on its own and the sandbox is killed when it does.
+    """
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE,  # the agent's lifeline: it exits when this process is gone
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+        start_new_session=True,
+    ))
+    spawn.add_done_callback(lambda _: os.close(log))  # not before: a cancelled caller's spawn still uses it
+    try:
+        return await asyncio.shield(spawn)
+    except asyncio.CancelledError:
+        spawn.add_done_callback(lambda f: _discard_spawned(f, start_timeout))
+        raise
+    except OSError as e:
+        raise SandboxError(f"could not start bwrap: {e}") from e
 
 
 def _is_our_bwrap(pid: int, ctl: str) -> bool:

@@ -1,14 +1,20 @@
-"""Async side of the control-socket protocol, shared by the bubblewrap and docker backends."""
+"""What the bubblewrap and docker backends share: the set-up of a sandbox's host side (its dirs,
+what an unprivileged sandbox uid may use, the watchdog's watch), the async side of the
+control-socket protocol, and closing."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import os
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from legorl.config import SandboxConfig
 from legorl.sandbox.client import (
     REPLY_SLACK_S,
     ExecResult,
@@ -17,9 +23,11 @@ from legorl.sandbox.client import (
     exec_request,
     parse_exec_reply,
 )
-from legorl.sandbox.watchdog import Watch
+from legorl.sandbox.limits import MiB, SandboxLimits
+from legorl.sandbox.watchdog import WATCHDOG, Watch
 
 READ_LIMIT = 64 * 1024 * 1024  # one JSON reply line may carry a large command output
+RELAY_PORT = SandboxConfig.model_fields["relay_port"].default  # sandbox.relay_port's default
 
 
 async def _read_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
@@ -36,6 +44,38 @@ async def _read_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> by
             return b"".join(chunks)
         if size > READ_LIMIT:
             raise ValueError(f"reply longer than {READ_LIMIT} bytes")
+
+
+def sandbox_dirs(workspace: Path, sandbox_dir: Path, proxy_socket: Path | None) -> tuple[Path, Path, Path]:
+    """(workspace, sandbox_dir, ctl dir) resolved, the ctl dir (the control socket's) made; a missing
+    workspace or proxy socket is refused before anything starts."""
+    workspace, sandbox_dir = Path(workspace).resolve(), Path(sandbox_dir).resolve()
+    ctl = sandbox_dir / "ctl"
+    ctl.mkdir(parents=True, exist_ok=True)
+    if proxy_socket is not None and not Path(proxy_socket).exists():
+        raise SandboxError(f"proxy socket {proxy_socket} does not exist: start the proxy first")
+    if not workspace.is_dir():
+        raise SandboxError(f"workspace {workspace} is not a directory")
+    return workspace, sandbox_dir, ctl
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            try:
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+            except FileNotFoundError:
+                pass
+
+
+async def open_to(ids: tuple[int, int], workspace: Path, proxy_socket: Path | None) -> None:
+    """Let a sandbox running as another uid use what it is given: its workspace (chowned to it) and
+    the proxy's socket (connecting to a Unix socket needs write permission on it)."""
+    await asyncio.to_thread(chown_tree, workspace, *ids)
+    if proxy_socket is not None:
+        mode = os.stat(proxy_socket).st_mode
+        os.chmod(proxy_socket, (mode & 0o7777) | 0o666)
 
 
 class ControlledSandbox:
@@ -109,7 +149,33 @@ class ControlledSandbox:
             raise SandboxError(f"read_file {path} failed: {reply['error']}")
         return base64.b64decode(reply["content_b64"])
 
-    async def close(self) -> None:  # pragma: no cover - backends override
+    def _watch(
+        self, limits: SandboxLimits, pid: int, *, memory: bool, on_kill: Callable[[], None] | None = None
+    ) -> None:
+        """Put the started sandbox under the watchdog: its workspace size, its lifetime (counted from
+        now) and, where the backend itself does not bound it (``memory``), its processes' memory."""
+        self.watch = WATCHDOG.add(
+            Watch(
+                pid=pid,
+                label=self.label,
+                workspace=self.workspace,
+                memory_bytes=limits.memory_mb and limits.memory_mb * MiB if memory else None,
+                workspace_bytes=limits.workspace_mb and limits.workspace_mb * MiB,
+                deadline=time.monotonic() + limits.lifetime_s if limits.lifetime_s else None,
+                on_kill=on_kill,
+            )
+        )
+
+    async def close(self) -> None:
+        """Stop the sandbox and everything in it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.watch is not None:
+            WATCHDOG.remove(self.watch)
+        await self._stop()
+
+    async def _stop(self) -> None:  # pragma: no cover - backends override
         raise NotImplementedError
 
     async def __aenter__(self) -> Self:

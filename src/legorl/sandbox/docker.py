@@ -28,12 +28,10 @@ from legorl.sandbox.bwrap import (
     INSIDE_CTL,
     PROXY_SOCKET_INSIDE,
     SANDBOX_ENV,
-    chown_tree,
 )
 from legorl.sandbox.client import SandboxClient, SandboxError
-from legorl.sandbox.control import ControlledSandbox
+from legorl.sandbox.control import RELAY_PORT, ControlledSandbox, open_to, sandbox_dirs
 from legorl.sandbox.limits import SandboxLimits
-from legorl.sandbox.watchdog import WATCHDOG, Watch
 
 DEFAULT_IMAGE = "python:3.11-slim"
 LABEL_KEY = "legorl.run"
@@ -144,7 +142,7 @@ class DockerSandbox(ControlledSandbox):
         sandbox_dir: Path,
         label: str,
         proxy_socket: Path | None = None,
-        relay_port: int = 18000,
+        relay_port: int = RELAY_PORT,
         image: str = DEFAULT_IMAGE,
         limits: SandboxLimits | None = None,
         inside_workspace: str = "/workspace",
@@ -158,15 +156,11 @@ class DockerSandbox(ControlledSandbox):
         if reason := docker_unavailable(docker):
             raise SandboxError(f"docker backend unavailable: {reason}")
         limits = limits or SandboxLimits()
-        workspace, sandbox_dir = Path(workspace).resolve(), Path(sandbox_dir).resolve()
-        ctl = sandbox_dir / "ctl"
-        ctl.mkdir(parents=True, exist_ok=True)
+        workspace, sandbox_dir, ctl = sandbox_dirs(workspace, sandbox_dir, proxy_socket)
         user = (SANDBOX_UID, SANDBOX_UID) if os.geteuid() == 0 else (os.getuid(), os.getgid())
         if os.geteuid() == 0:
-            await asyncio.to_thread(chown_tree, workspace, *user)
-            os.chown(ctl, *user)
-            if proxy_socket is not None:
-                os.chmod(proxy_socket, (os.stat(proxy_socket).st_mode & 0o7777) | 0o666)
+            await open_to(user, workspace, proxy_socket)
+            os.chown(ctl, *user)  # the agent binds its control socket there
         name = "legorl-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", label)[:40] + "-" + secrets.token_hex(4)
         argv = docker_run_argv(
             name=name, image=image, workspace=workspace, ctl_dir=ctl, label=label, sandbox_dir=sandbox_dir,
@@ -192,19 +186,10 @@ class DockerSandbox(ControlledSandbox):
         def kill() -> None:
             subprocess.run([docker, "kill", container], capture_output=True, timeout=30, check=False)
 
-        box.watch = WATCHDOG.add(Watch(
-            pid=-1, label=label, workspace=workspace,
-            workspace_bytes=limits.workspace_mb and limits.workspace_mb * 1024 * 1024,
-            deadline=time.monotonic() + limits.lifetime_s if limits.lifetime_s else None, on_kill=kill,
-        ))  # fmt: skip
+        box._watch(limits, -1, memory=False, on_kill=kill)  # docker bounds the memory (--memory)
         return box
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.watch is not None:
-            WATCHDOG.remove(self.watch)
+    async def _stop(self) -> None:
         await _docker(self.docker, "rm", "-f", "-v", self.container)
 
 
