@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01) -> T:
+    """Poll `predicate` until it returns something truthy or `timeout` seconds pass; its last value.
+
+    For events a test cannot be told about directly (a process exiting, a row appearing in another
+    process's database): the wait ends as soon as the event happens, and a loaded machine gets the
+    whole `timeout`. The caller asserts on the value, so a wait that times out fails the test.
+    """
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(interval)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.005) -> T:
+    """`wait_until` inside an event loop: the loop keeps running while it polls."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()) and time.monotonic() < deadline:
+        await asyncio.sleep(interval)
+    return value
 
 
 def run_processes(root: Path, kinds: tuple[str, ...] = ("bwrap", "mini_worker")) -> list[str]:
@@ -27,9 +53,14 @@ def run_processes(root: Path, kinds: tuple[str, ...] = ("bwrap", "mini_worker"))
 def surviving_processes(root: Path, timeout: float = 30.0) -> list[str]:
     """run_processes(root) once they had `timeout` seconds to exit: teardown after a kill takes a
     moment on a loaded machine, while a real survivor stays forever."""
-    deadline = time.monotonic() + timeout
-    while (found := run_processes(root)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    found: list[str] = []
+
+    def gone() -> bool:
+        nonlocal found
+        found = run_processes(root)
+        return not found
+
+    wait_until(gone, timeout, interval=0.2)
     return found
 
 

@@ -12,10 +12,10 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from legorl.grading import grade, workspace_diff
 from legorl.grading.canaries import PATCH_CANARIES, CanaryContext
@@ -261,12 +261,10 @@ def test_escapes_network_files_writes_signals_and_survival(tmp_path: Path) -> No
         assert victim.poll() is None and alive(victim.pid), "a host process was signalled from the sandbox"
         for p in ("/usr/pwned", "/pwned", f"{venv}/pwned"):
             assert not Path(p).exists()
-        deadline = time.monotonic() + 5
-        survivors = [1]
-        while survivors and time.monotonic() < deadline:
-            survivors = [int(p) for p in os.listdir("/proc") if p.isdigit() and "7654321" in cmdline(int(p))]
-            time.sleep(0.05)
-        assert not survivors, "processes outlived their sandbox"
+        def survivors() -> list[int]:
+            return [int(p) for p in os.listdir("/proc") if p.isdigit() and "7654321" in cmdline(int(p))]
+
+        assert wait_until(lambda: not survivors(), timeout=5), f"processes outlived their sandbox: {survivors()}"
     finally:
         victim.kill()
         victim.wait()

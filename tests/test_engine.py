@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import wait_until_async
 
 from legorl.engine import (
     ContextOverflowError,
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def model(tok):
     return build_model(ModelSpec(num_layers=2, seed=1), tok)
+
+
+def admitted(eng: LocalEngine) -> int:
+    """Requests the engine has taken into its batch (prefilled) so far."""
+    return eng.stats()["requests"]
 
 
 def no_stop_engine(model, tok, **kw: Any) -> LocalEngine:
@@ -131,7 +137,7 @@ def test_concurrent_requests_match_solo(model, tok) -> None:
         together = await asyncio.gather(*[eng.generate(p, sp) for p, sp in zip(ps, params, strict=True)])
 
         async def late(i: int) -> GenerationResult:  # join a batch that is already decoding
-            await asyncio.sleep(0.02 * i)
+            assert await wait_until_async(lambda: admitted(eng) >= 12 + i, timeout=60)  # request i-1 is in
             return await eng.generate(ps[i], params[i])
 
         staggered = await asyncio.gather(*[late(i) for i in range(6)])
@@ -227,7 +233,7 @@ def test_update_weights_between_steps(tok) -> None:
     async def go(eng: LocalEngine):
         before = await eng.generate(p, greedy(8))
         inflight = asyncio.create_task(eng.generate(p, greedy(60)))
-        await asyncio.sleep(0.05)  # let it start decoding
+        assert await wait_until_async(lambda: admitted(eng) == 2, timeout=60)  # it is decoding under version 0
         version = await eng.update_weights(other)
         after = await eng.generate(p, greedy(8))
         with pytest.raises(EngineError, match="unknown keys"):
@@ -250,7 +256,7 @@ def test_cancel_and_close(model, tok) -> None:
 
     async def go(eng: LocalEngine):
         task = asyncio.create_task(eng.generate(p, greedy(200)))
-        await asyncio.sleep(0.05)
+        assert await wait_until_async(lambda: admitted(eng) == 1, timeout=60)  # cancelled while decoding
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

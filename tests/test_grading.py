@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from helpers import wait_until_async
 
 from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
 from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
@@ -325,8 +326,7 @@ def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
             argvs = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in process_tree(box.pid)}
             agent = next(p for p, argv in argvs.items() if Path(argv[0].decode()).name.startswith("python"))
             os.kill(agent, signal.SIGKILL)
-            while alive(agent):  # wait until it can no longer answer
-                await asyncio.sleep(0.01)
+            assert await wait_until_async(lambda: not alive(agent), timeout=10)  # it can no longer answer
             with pytest.raises(SandboxError):
                 await box.exec("echo hi", timeout=5)
             with pytest.raises(SandboxError):

@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
+from helpers import wait_until
 
 from legorl.models import render_tool_call_text
 
@@ -38,14 +38,16 @@ def test_standalone_proxy_records_any_harness(tmp_path, tokenizer):
                              "--run-dir", str(run_dir), "--model", str(tmp_path / "tok")],
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
+
+        def listening() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
             except OSError:
                 assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.3)
+                return False
+            return True
+
+        assert wait_until(listening, timeout=120, interval=0.3), "the proxy never listened"
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/s/sft-1/v1", api_key="unused")
         msgs = [{"role": "user", "content": "list files"}]
         r = oa.chat.completions.create(model="any", messages=msgs, tools=[{"type": "function", "function": {

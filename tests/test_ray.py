@@ -14,7 +14,7 @@ import os
 import signal
 
 import pytest
-from helpers import run_processes, surviving_processes
+from helpers import run_processes, surviving_processes, wait_until_async
 
 from legorl.config import load_config
 from legorl.models import load_tokenizer
@@ -109,9 +109,12 @@ def test_a_dead_worker_costs_a_retry_not_the_step(ray_cluster, tmp_path, cache_d
         async with Driver(cfg, run_dir) as driver:
             training = asyncio.create_task(driver.train())
             boxes = run_dir / "workers" / "w0" / "sandboxes"
-            while not (boxes.is_dir() and any(boxes.iterdir())):  # worker 0 is in an episode
+
+            def in_episode() -> bool:  # worker 0 is in an episode
                 assert not training.done(), "the step ended before worker 0 ran an episode"
-                await asyncio.sleep(0.02)
+                return boxes.is_dir() and any(boxes.iterdir())
+
+            assert await wait_until_async(in_episode, timeout=600, interval=0.02)
             os.kill(driver.cluster.workers[0].info["pid"], signal.SIGKILL)
             await training
 

@@ -8,11 +8,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import surviving_processes
+from helpers import surviving_processes, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sampling.max_tokens=32",
@@ -68,26 +67,29 @@ def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
            "rollout.tasks_per_step=2", "rollout.group_size=2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db = run_dir / "store.sqlite"
-    deadline = time.time() + 600
-    killed_during = None
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)  # a fast machine runs a toy step's rollouts in well under a second
+
+    def mid_step() -> int | str | None:
+        """Steps done once step 0 is done and step 1's rollouts are in flight; "exited" if the run ended."""
+        if proc.poll() is not None:
+            return "exited"
         if not db.exists():
-            continue
+            return None
         try:
             con = sqlite3.connect(db, timeout=5)
             steps = con.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
             live = con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL AND step >= 1").fetchone()[0]
             con.close()
         except sqlite3.Error:
-            continue
-        if steps >= 1 and live > 0:  # step 0 done, step 1's rollouts in flight
-            killed_during = steps
-            os.kill(proc.pid, signal.SIGKILL)
-            break
+            return None
+        return steps if steps >= 1 and live > 0 else None
+
+    # a fast machine runs a toy step's rollouts in well under a second: poll often
+    killed_during = wait_until(mid_step, timeout=600, interval=0.02)
+    if isinstance(killed_during, int):
+        os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    if killed_during is None:
-        pytest.fail("the run finished or stalled before it could be killed mid-step")
+    if not isinstance(killed_during, int):
+        pytest.fail(f"the run finished or stalled before it could be killed mid-step ({killed_during})")
     # sandboxes and workers exit when the pipes the driver held close
     assert not surviving_processes(run_dir), "processes of the killed run survived"
 

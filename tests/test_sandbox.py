@@ -12,11 +12,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from helpers import run_processes
+from helpers import run_processes, wait_until_async
 
 from legorl.sandbox import SandboxError, SandboxLimits
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree, reap_orphans
@@ -39,9 +38,8 @@ async def make(tmp: Path, **kw) -> BwrapSandbox:
 
 
 async def wait_dead(pids: list[int], timeout: float = 5) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    """Those of `pids` still alive once they all died or `timeout` seconds passed."""
+    await wait_until_async(lambda: not any(alive(p) for p in pids), timeout, interval=0.05)
     return [p for p in pids if alive(p)]
 
 
@@ -207,9 +205,7 @@ def test_cancelled_creation_never_hangs_or_leaks_a_sandbox(tmp_path: Path) -> No
             except asyncio.CancelledError:
                 continue
             await box.close()  # it was ready before the cancellation landed
-        deadline = time.monotonic() + 10
-        while run_processes(tmp_path, kinds=("bwrap",)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await wait_until_async(lambda: not run_processes(tmp_path, kinds=("bwrap",)), timeout=10, interval=0.1)
         assert run_processes(tmp_path, kinds=("bwrap",)) == []
 
     run(main())

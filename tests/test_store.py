@@ -195,17 +195,23 @@ def test_threads_share_one_store(store: Store) -> None:
 
 
 def test_other_process_reads_while_writing(store: Store) -> None:
-    # a separate process polls the store while this one keeps committing calls
+    # A separate process reads the store from before the first commit until it sees the last one,
+    # while this one keeps committing calls: it is never blocked, and no count ever goes back.
     code = (
-        "import sys, time; from legorl.store import Store\n"
-        "s = Store(sys.argv[1]); seen = 0\n"
-        "for _ in range(200):\n"
-        "    seen = max(seen, s.report()['llm_calls']); time.sleep(0.005)\n"
-        "print(seen)\n"
+        "import json, sys, time; from legorl.store import Store\n"
+        "s = Store(sys.argv[1]); seen = [s.report()['llm_calls']]\n"
+        "print('reading', flush=True)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while seen[-1] < 150 and time.monotonic() < deadline:\n"
+        "    seen.append(s.report()['llm_calls'])\n"
+        "print(json.dumps({'first': seen[0], 'last': seen[-1], 'reads': len(seen),\n"
+        "                  'ordered': all(a <= b for a, b in zip(seen, seen[1:]))}))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(store.path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "reading\n"  # the reader is in its loop before the first write
     for i in range(150):
         store.add_call(_call("r", i))
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0
-    assert 0 <= int(out) <= 150
+    seen = json.loads(out)
+    assert seen["first"] == 0 and seen["last"] == 150 and seen["ordered"], seen
