@@ -13,9 +13,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from legorl.proxy.core import Choice, Completion, new_id
 from legorl.proxy.errors import ProxyError, anthropic_error_body
-from legorl.proxy.request import ChatRequest, Problems, function_tool, join_texts, require_object
+from legorl.proxy.request import (
+    ANTHROPIC,
+    ChatRequest,
+    Problems,
+    function_tool,
+    join_texts,
+    text_of,
+    tool_list,
+)
+from legorl.proxy.wire import Choice, Completion, WireFormat, sse
 
 KNOWN = frozenset({
     "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature",
@@ -29,27 +37,19 @@ STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_u
 
 
 def _sse(event: str, obj: Any) -> str:
-    return f"event: {event}\ndata: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return sse(obj, event)
 
 
-class AnthropicMessages:
+class AnthropicMessages(WireFormat):
     name = "anthropic_messages"
+    id_prefix = "msg_"
     tool_id_prefix = "toolu_"
-
-    def __init__(self, tokenizer: Any = None, strict_fields: bool = True):
-        self.strict_fields = strict_fields
-
-    def new_id(self) -> str:
-        return new_id("msg_")
+    dialect = ANTHROPIC
 
     # ---- request --------------------------------------------------------------------------------
     def parse(self, body: Any, headers: Any = None, *, count_only: bool = False) -> ChatRequest:
-        body = require_object(body)
-        p = Problems()
         beta = headers is not None and bool(headers.get("anthropic-beta"))
-        if self.strict_fields and not beta:
-            p.unknown(body, COUNT_KNOWN if count_only else KNOWN)
-        model = p.typed(body, "model", str, "a string", required=True)
+        body, p, model = self.begin(body, COUNT_KNOWN if count_only else KNOWN, check_unknown=not beta)
         max_tokens = None if count_only else p.integer(body, "max_tokens", 1, required=True)
         messages: list[dict[str, Any]] = []
         system = body.get("system")
@@ -61,8 +61,7 @@ class AnthropicMessages:
         if not isinstance(raw, list) or not raw:
             p.add("messages", "messages: must be a non-empty array of {role, content} objects")
         else:
-            for i, m in enumerate(raw):
-                messages.extend(_message(m, i, p))
+            messages += self.messages(raw, p)
         tools = _tools(body.get("tools"), p)
         p.number(body, "temperature", 0, 1)
         p.number(body, "top_p", 0, 1)
@@ -77,6 +76,24 @@ class AnthropicMessages:
         return ChatRequest(wire_format=self.name, body=body, messages=messages, tools=tools, model=model or "",
                            max_tokens=max_tokens, stop=stop, stream=stream,
                            parse_tools=bool(tools) and not no_tools)
+
+    @staticmethod
+    def conversation(body: dict[str, Any]) -> list[Any]:
+        items = body.get("messages")
+        head = [{"role": "system", "content": body["system"]}] if body.get("system") is not None else []
+        return head + (list(items) if isinstance(items, list) else [])
+
+    @staticmethod
+    def messages(items: list[Any], p: Problems | None = None) -> list[dict[str, Any]]:
+        p = p or Problems(ANTHROPIC)
+        return [msg for i, m in enumerate(items) for msg in _message(m, i, p)]
+
+    @staticmethod
+    def failed_tool_results(items: list[Any]) -> set[str]:
+        """`tool_result` blocks with `is_error: true` (not rendered: the template has no such flag)."""
+        return {b["tool_use_id"] for m in items if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_result"
+                and b.get("is_error") and isinstance(b.get("tool_use_id"), str)}
 
     # ---- answers --------------------------------------------------------------------------------
     @staticmethod
@@ -137,22 +154,7 @@ class AnthropicMessages:
 
 def _blocks_text(content: Any, where: str, p: Problems) -> str | None:
     """Text of a string or an array of text blocks (other block types are not rendered)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        p.add(where, f"{where}: must be a string or an array of content blocks")
-        return None
-    texts = []
-    for j, b in enumerate(content):
-        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
-            p.add(f"{where}.{j}", f"{where}.{j}: must be a content block object with a 'type'")
-            return None
-        if b["type"] == "text":
-            if not isinstance(b.get("text"), str):
-                p.add(f"{where}.{j}.text", f"{where}.{j}.text: must be a string")
-                return None
-            texts.append(b["text"])
-    return join_texts(texts)
+    return text_of(content, where, p, ("text",), refusals=False, join=join_texts)
 
 
 def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
@@ -208,10 +210,8 @@ def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any, p: Problems) -> list[dict[str, Any]] | None:
+    tools = tool_list(tools, p)
     if tools is None:
-        return None
-    if not isinstance(tools, list):
-        p.add("tools", "tools: must be an array")
         return None
     out = []
     for i, t in enumerate(tools):

@@ -1,17 +1,16 @@
 """The part every wire format shares: bridge the prompt, call the engine, parse, record.
 
 A wire-format module parses its request into a `ChatRequest`, hands it to `CallCore.complete`,
-and renders the returned `Completion` (JSON or an SSE stream built from it). The call is recorded
+and renders the returned `Completion` (wire.py; JSON or an SSE stream built from it). The call is recorded
 (`on_call`) before the harness sees a byte of the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from legorl.engine.base import ContextOverflowError
@@ -20,7 +19,8 @@ from legorl.proxy.errors import ProxyError
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session
 from legorl.proxy.toolcalls import ToolCallParser
-from legorl.records import GenerationResult, LLMCall, SamplingParams, ToolCall
+from legorl.proxy.wire import Choice, Completion, new_id
+from legorl.records import GenerationResult, LLMCall, SamplingParams
 
 TEXTS_KEPT = 4
 
@@ -33,31 +33,6 @@ class SamplingOverride:
     top_p: float = 1.0
     max_tokens: int = 256
     top_k: int = 0
-
-
-@dataclass
-class Choice:
-    call: LLMCall
-    content: str | None  # text shown to the harness (before any tool call, stop string removed)
-    tool_calls: list[ToolCall]
-    finish: str  # "stop" | "length" | "tool_calls" | "stop_sequence"
-    stop_sequence: str | None = None
-
-
-@dataclass
-class Completion:
-    """One answered request: everything a wire format needs to reply (and to replay a retry)."""
-
-    id: str
-    created: int
-    model: str
-    prompt_tokens: int
-    choices: list[Choice]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def new_id(prefix: str, n: int = 12) -> str:
-    return prefix + secrets.token_hex(n)
 
 
 class CallCore:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from legorl.proxy.core import Choice, Completion, new_id
 from legorl.proxy.errors import ProxyError, openai_error_body
-from legorl.proxy.logprobs import TokenTexts
-from legorl.proxy.request import MAX_N, MAX_TOP_LOGPROBS, ChatRequest, Problems, function_tool, require_object
+from legorl.proxy.request import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    ChatRequest,
+    Problems,
+    function_tool,
+    openai_tool_choice,
+    text_of,
+    tool_list,
+)
+from legorl.proxy.wire import Choice, Completion, WireFormat, sse
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 KNOWN = frozenset({
@@ -22,40 +29,22 @@ KNOWN = frozenset({
     "include_stop_str_in_output", "ignore_eos", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "echo", "return_tokens_as_token_ids", "thinking", "reasoning",
 })
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def _sse(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-class OpenAIChat:
+class OpenAIChat(WireFormat):
     name = "openai_chat"
-    tool_id_prefix = "call_"
-
-    def __init__(self, tokenizer: Any, strict_fields: bool = True):
-        self.texts = TokenTexts(tokenizer)
-        self.strict_fields = strict_fields
-        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def new_id(self) -> str:
-        return new_id("chatcmpl-")
+    id_prefix = "chatcmpl-"
 
     # ---- request --------------------------------------------------------------------------------
     def parse(self, body: Any, headers: Any = None) -> ChatRequest:
-        body = require_object(body)
-        p = Problems()
-        if self.strict_fields:
-            p.unknown(body, KNOWN)
-        model = p.typed(body, "model", str, "a string", required=True)
+        body, p, model = self.begin(body, KNOWN)
         raw = body.get("messages")
         messages: list[dict[str, Any]] = []
         if not isinstance(raw, list) or not raw:
             p.add("messages", "'messages' must be a non-empty array of message objects")
         else:
-            for i, m in enumerate(raw):
-                msg = _message(m, i, p)
-                if msg is not None:
-                    messages.append(msg)
+            messages = self.messages(raw, p)
         tools = _tools(body, p)
         p.number(body, "temperature", 0, 2)
         p.number(body, "top_p", 0, 1)
@@ -69,9 +58,7 @@ class OpenAIChat:
         seed = p.integer(body, "seed")
         stop = p.stop_list(body, "stop", limit=4)
         opts = p.typed(body, "stream_options", dict, "an object") or {}
-        choice = body.get("tool_choice")
-        if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
-            p.add("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or an object")
+        choice = openai_tool_choice(body, p)
         p.raise_if_any()
         return ChatRequest(
             wire_format=self.name, body=body, messages=messages, tools=tools, model=model or "",
@@ -80,14 +67,19 @@ class OpenAIChat:
             extra={"include_usage": bool(opts.get("include_usage"))},
         )
 
+    @staticmethod
+    def conversation(body: dict[str, Any]) -> list[Any]:
+        items = body.get("messages")
+        return list(items) if isinstance(items, list) else []
+
+    @staticmethod
+    def messages(items: list[Any], p: Problems | None = None) -> list[dict[str, Any]]:
+        p = p or Problems()
+        return [msg for i, m in enumerate(items) if (msg := _message(m, i, p)) is not None]
+
     # ---- answers --------------------------------------------------------------------------------
     def _logprobs(self, choice: Choice, req: ChatRequest) -> dict[str, Any] | None:
-        if not req.logprobs:
-            return None
-        ids, lps = choice.call.completion_ids, choice.call.completion_logprobs
-        if ids and ids[-1] == self.eos_id:
-            ids, lps = ids[:-1], lps[:-1]
-        return {"content": self.texts.entries(ids, lps, req.top_logprobs), "refusal": None}
+        return {"content": self.token_entries(choice, req), "refusal": None} if req.logprobs else None
 
     @staticmethod
     def _finish(c: Choice) -> str:
@@ -124,7 +116,7 @@ class OpenAIChat:
             obj = {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
-            return _sse(obj)
+            return sse(obj)
 
         out = []
         for i, c in enumerate(comp.choices):
@@ -138,16 +130,13 @@ class OpenAIChat:
                 out.append(chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": t.arguments}}]}))
             out.append(chunk(i, {}, finish=self._finish(c)))
         if include_usage:
-            out.append(_sse({**head, "choices": [], "usage": self._usage(comp)}))
+            out.append(sse({**head, "choices": [], "usage": self._usage(comp)}))
         out.append("data: [DONE]\n\n")
         return "".join(out)
 
     # ---- errors ---------------------------------------------------------------------------------
-    def error_body(self, e: ProxyError) -> dict[str, Any]:
-        return openai_error_body(e)
-
     def stream_error(self, e: ProxyError) -> str:
-        return _sse(openai_error_body(e)) + "data: [DONE]\n\n"
+        return sse(openai_error_body(e)) + "data: [DONE]\n\n"
 
 
 def _message(m: Any, i: int, p: Problems) -> dict[str, Any] | None:
@@ -161,19 +150,9 @@ def _message(m: Any, i: int, p: Problems) -> dict[str, Any] | None:
         p.add(f"{where}.content", f"{where}.content must be a string, an array of content parts or null")
         return None
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                p.add(f"{where}.content[{j}]", f"{where}.content[{j}] must be an object with a 'type'")
-                return None
-            if part["type"] in ("text", "input_text", "output_text"):
-                if not isinstance(part.get("text"), str):
-                    p.add(f"{where}.content[{j}].text", f"{where}.content[{j}].text must be a string")
-                    return None
-                texts.append(part["text"])
-            elif part["type"] == "refusal" and isinstance(part.get("refusal"), str):
-                texts.append(part["refusal"])
-        content = "".join(texts)
+        content = text_of(content, f"{where}.content", p, TEXT_PARTS)
+        if content is None:
+            return None
     if role == "developer":
         role = "system"
     out: dict[str, Any] = {"role": "tool" if role == "function" else role, "content": content}
@@ -203,14 +182,10 @@ def _message(m: Any, i: int, p: Problems) -> dict[str, Any] | None:
 
 def _tools(body: dict[str, Any], p: Problems) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
+    if tools is None and isinstance(body.get("functions"), list):  # the legacy form
+        tools = [{"type": "function", "function": f} for f in body["functions"]]
+    tools = tool_list(tools, p)
     if tools is None:
-        funcs = body.get("functions")  # the legacy form
-        if isinstance(funcs, list):
-            tools = [{"type": "function", "function": f} for f in funcs]
-        else:
-            return None
-    if not isinstance(tools, list):
-        p.add("tools", "'tools' must be an array")
         return None
     out = []
     for i, t in enumerate(tools):

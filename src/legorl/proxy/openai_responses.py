@@ -14,10 +14,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from legorl.proxy.core import Choice, Completion, new_id
+from legorl.proxy.bridge import reply_message
 from legorl.proxy.errors import ProxyError, openai_error_body
-from legorl.proxy.logprobs import TokenTexts
-from legorl.proxy.request import MAX_TOP_LOGPROBS, ChatRequest, Problems, function_tool, require_object
+from legorl.proxy.request import (
+    MAX_TOP_LOGPROBS,
+    ChatRequest,
+    Problems,
+    function_tool,
+    openai_tool_choice,
+    text_of,
+    tool_list,
+)
+from legorl.proxy.wire import Choice, Completion, WireFormat, new_id, sse
 
 KNOWN = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
@@ -33,28 +41,16 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return f"event: {obj['type']}\ndata: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return sse(obj, obj["type"])
 
 
-class OpenAIResponses:
+class OpenAIResponses(WireFormat):
     name = "openai_responses"
-    tool_id_prefix = "call_"
-
-    def __init__(self, tokenizer: Any, strict_fields: bool = True):
-        self.texts = TokenTexts(tokenizer)
-        self.strict_fields = strict_fields
-        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def new_id(self) -> str:
-        return new_id("resp_")
+    id_prefix = "resp_"
 
     # ---- request --------------------------------------------------------------------------------
     def parse(self, body: Any, headers: Any = None) -> ChatRequest:
-        body = require_object(body)
-        p = Problems()
-        if self.strict_fields:
-            p.unknown(body, KNOWN)
-        model = p.typed(body, "model", str, "a string", required=True)
+        body, p, model = self.begin(body, KNOWN)
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             p.add("instructions", "'instructions' must be a string")
@@ -64,7 +60,7 @@ class OpenAIResponses:
         if isinstance(raw, str):
             conv.append({"role": "user", "content": raw})
         elif isinstance(raw, list) and (raw or prev):
-            conv = _items(raw, p)
+            conv = self.messages(raw, p)
         else:
             p.add("input", "'input' must be a string or a non-empty array of input items")
         tools, custom, namespaces = _tools(body.get("tools"), p)
@@ -74,9 +70,7 @@ class OpenAIResponses:
         top = p.integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         stream = p.boolean(body, "stream")
         include = p.typed(body, "include", list, "an array of strings") or []
-        choice = body.get("tool_choice")
-        if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
-            p.add("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or an object")
+        choice = openai_tool_choice(body, p)
         p.raise_if_any()
         system = [{"role": "system", "content": instructions}] if instructions else []
         return ChatRequest(
@@ -86,6 +80,19 @@ class OpenAIResponses:
             extra={"custom": custom, "namespaces": namespaces, "previous_response_id": prev,
                    "n_system": len(system), "conv": conv},
         )
+
+    @staticmethod
+    def conversation(body: dict[str, Any]) -> list[Any]:
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"type": "message", "role": "user", "content": items}]
+        head = [{"type": "message", "role": "system", "content": body["instructions"]}] if (
+            body.get("instructions")) else []
+        return head + (list(items) if isinstance(items, list) else [])
+
+    @staticmethod
+    def messages(items: list[Any], p: Problems | None = None) -> list[dict[str, Any]]:
+        return _items(items, p or Problems())
 
     def resolve_previous(self, req: ChatRequest, responses: dict[str, list[dict[str, Any]]]) -> None:
         """Prepend the conversation of `previous_response_id` (answered earlier in this session)."""
@@ -104,11 +111,7 @@ class OpenAIResponses:
         if req.body.get("store") is False:
             return
         c = comp.choices[0]
-        reply: dict[str, Any] = {"role": "assistant", "content": c.content}
-        if c.tool_calls:
-            reply["tool_calls"] = [{"id": t.id, "type": "function",
-                                    "function": {"name": t.name, "arguments": t.arguments}} for t in c.tool_calls]
-        responses[comp.id] = req.extra["conv"] + [reply]
+        responses[comp.id] = req.extra["conv"] + [reply_message(c.content, c.tool_calls)]
 
     # ---- answers --------------------------------------------------------------------------------
     def _items_of(self, comp: Completion, req: ChatRequest) -> list[dict[str, Any]]:
@@ -139,12 +142,7 @@ class OpenAIResponses:
         return items
 
     def _logprobs(self, c: Choice, req: ChatRequest) -> list[dict[str, Any]]:
-        if not req.logprobs:
-            return []
-        ids, lps = c.call.completion_ids, c.call.completion_logprobs
-        if ids and ids[-1] == self.eos_id:
-            ids, lps = ids[:-1], lps[:-1]
-        return self.texts.entries(ids, lps, req.top_logprobs)
+        return self.token_entries(c, req) if req.logprobs else []
 
     def _response(self, comp: Completion, req: ChatRequest, status: str, output: list[dict[str, Any]],
                   usage: bool) -> dict[str, Any]:
@@ -215,9 +213,6 @@ class OpenAIResponses:
         return "".join(_sse({"type": e["type"], "sequence_number": i, **e}) for i, e in enumerate(events))
 
     # ---- errors ---------------------------------------------------------------------------------
-    def error_body(self, e: ProxyError) -> dict[str, Any]:
-        return openai_error_body(e)
-
     def stream_error(self, e: ProxyError) -> str:
         err = openai_error_body(e)["error"]
         return _sse({"type": "error", "sequence_number": 0, "code": err["code"], "message": err["message"],
@@ -225,26 +220,7 @@ class OpenAIResponses:
 
 
 def _text_of(content: Any, where: str, p: Problems) -> str | None:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        p.add(where, f"{where} must be a string or an array of content parts")
-        return None
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            p.add(f"{where}[{j}]", f"{where}[{j}] must be an object with a 'type'")
-            return None
-        if part["type"] in TEXT_PARTS:
-            if not isinstance(part.get("text"), str):
-                p.add(f"{where}[{j}].text", f"{where}[{j}].text must be a string")
-                return None
-            texts.append(part["text"])
-        elif part["type"] == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-    return "".join(texts)
+    return text_of(content, where, p, TEXT_PARTS)
 
 
 def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
@@ -296,10 +272,8 @@ def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
 def _tools(tools: Any, p: Problems) -> tuple[list[dict[str, Any]] | None, set[str], dict[str, str]]:
     custom: set[str] = set()
     namespaces: dict[str, str] = {}
+    tools = tool_list(tools, p)
     if tools is None:
-        return None, custom, namespaces
-    if not isinstance(tools, list):
-        p.add("tools", "'tools' must be an array")
         return None, custom, namespaces
     out = []
 

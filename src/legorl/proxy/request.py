@@ -1,4 +1,4 @@
-"""The canonical request every wire format is parsed into, and the checks the parsers share.
+"""The canonical request every wire format is parsed into, and the checks and helpers the parsers share.
 
 Canonical messages are OpenAI-chat shaped: ``{"role": system|user|assistant|tool, "content": str | None,
 "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}], "tool_call_id"}``;
@@ -9,6 +9,7 @@ bridges tokens the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +39,39 @@ class ChatRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # format-specific details for the answer
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """How a wire format names a nested field and words what is wrong with it."""
+
+    top: str  # a top-level field
+    index: str  # a list element of a field
+    must: str  # "<field> must be <what>"
+    part: str  # what a content list holds
+    part_object: str  # one element of a content list, as a noun
+
+
+OPENAI = Dialect(top="'{}'", index="{}[{}]", must="{} must be {}", part="content part", part_object="an object")
+ANTHROPIC = Dialect(top="{}", index="{}.{}", must="{}: must be {}", part="content block",
+                    part_object="a content block object")
+
+
 class Problems:
     """Collects every problem of a request body, so one 400 names them all."""
 
-    def __init__(self) -> None:
+    def __init__(self, dialect: Dialect = OPENAI) -> None:
         self.items: list[tuple[str, str]] = []  # (param, message)
+        self.dialect = dialect
 
     def add(self, param: str, message: str) -> None:
         self.items.append((param, message))
+
+    def at(self, where: str, j: int) -> str:
+        """The name of element `j` of the list at `where`."""
+        return self.dialect.index.format(where, j)
+
+    def must(self, where: str, what: str, top: bool = False) -> None:
+        """`where` must be `what` (`top`: `where` is a top-level field of the body)."""
+        self.add(where, self.dialect.must.format(self.dialect.top.format(where) if top else where, what))
 
     def raise_if_any(self) -> None:
         if self.items:
@@ -112,6 +138,48 @@ def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ProxyError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def text_of(content: Any, where: str, p: Problems, text_types: tuple[str, ...], *, refusals: bool = True,
+            join: Callable[[list[str]], str] = "".join) -> str | None:
+    """The text of a content value: a string, None (""), or a list of typed parts whose text parts
+    (and refusals) are joined; other parts (images...) are not rendered. None when it is malformed."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        p.must(where, f"a string or an array of {p.dialect.part}s")
+        return None
+    texts = []
+    for j, part in enumerate(content):
+        at = p.at(where, j)
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            p.must(at, f"{p.dialect.part_object} with a 'type'")
+            return None
+        if part["type"] in text_types:
+            if not isinstance(part.get("text"), str):
+                p.must(f"{at}.text", "a string")
+                return None
+            texts.append(part["text"])
+        elif refusals and part["type"] == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+    return join(texts)
+
+
+def tool_list(tools: Any, p: Problems) -> list[Any] | None:
+    """The `tools` array of a body (None when absent or malformed)."""
+    if tools is not None and not isinstance(tools, list):
+        p.must("tools", "an array", top=True)
+        return None
+    return tools
+
+
+def openai_tool_choice(body: dict[str, Any], p: Problems) -> Any:
+    choice = body.get("tool_choice")
+    if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
+        p.add("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or an object")
+    return choice
 
 
 def join_texts(texts: list[str]) -> str:

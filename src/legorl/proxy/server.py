@@ -35,13 +35,14 @@ from starlette.routing import Route
 
 from legorl.engine.base import Engine
 from legorl.proxy.anthropic_messages import AnthropicMessages
-from legorl.proxy.core import CallCore, Completion, SamplingOverride
+from legorl.proxy.core import CallCore, SamplingOverride
 from legorl.proxy.errors import ProxyError, anthropic_error_body, openai_error_body
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session, SessionRegistry, body_key
 from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
+from legorl.proxy.wire import Completion
 from legorl.records import LLMCall
 from legorl.serving import LoopServer
 
@@ -73,7 +74,26 @@ def session_key(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+class _OnCore:
+    """A proxy attribute that lives on its `CallCore` (the pipeline swaps or reads it on the proxy)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, proxy: Any, owner: type | None = None) -> Any:
+        return self if proxy is None else getattr(proxy.core, self.name)
+
+    def __set__(self, proxy: Any, value: Any) -> None:
+        setattr(proxy.core, self.name, value)
+
+
 class Proxy:
+    # the parts the pipeline swaps or reads: engine, model name, sampling override, on_call (the store)
+    engine = _OnCore()
+    model_name = _OnCore()
+    on_call = _OnCore()
+    sampling = _OnCore()
+
     def __init__(self, engine: Engine, tokenizer: Any, *, sampling: SamplingOverride | None = None,
                  model_name: str = "legorl-policy", on_call: Callable[[LLMCall], None] | None = None,
                  parser: ToolCallParser | None = None, accept_new_sessions: bool = False,
@@ -99,39 +119,6 @@ class Proxy:
         self.host = "127.0.0.1"
         self.port: int | None = None
         self.unix_socket: Path | None = None
-
-    # ---- the parts the pipeline swaps or reads -----------------------------------------------------
-    @property
-    def engine(self) -> Engine:
-        return self.core.engine
-
-    @engine.setter
-    def engine(self, engine: Engine) -> None:
-        self.core.engine = engine
-
-    @property
-    def model_name(self) -> str:
-        return self.core.model_name
-
-    @model_name.setter
-    def model_name(self, name: str) -> None:
-        self.core.model_name = name
-
-    @property
-    def on_call(self) -> Callable[[LLMCall], None] | None:
-        return self.core.on_call
-
-    @on_call.setter
-    def on_call(self, fn: Callable[[LLMCall], None] | None) -> None:
-        self.core.on_call = fn
-
-    @property
-    def sampling(self) -> SamplingOverride:
-        return self.core.sampling
-
-    @sampling.setter
-    def sampling(self, s: SamplingOverride) -> None:
-        self.core.sampling = s
 
     # ---- sessions -------------------------------------------------------------------------------
     def open_session(self, rollout_id: str, max_calls: int | None = None) -> Session:
