@@ -24,16 +24,18 @@ import os
 import secrets
 import shlex
 import shutil
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from legorl.grading.junit import parse_junit_text, to_junit_xml
 from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
-from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer
+from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer, StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
 from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.client import ExecResult
 from legorl.sandbox.limits import SandboxLimits
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
@@ -223,100 +225,173 @@ async def grade(
     verifier-owned ``junit.xml`` and a full ``report.json`` (applied and dropped diff parts);
     ``keep`` leaves the work dir for debugging; ``label`` tags the grading sandbox (reaping).
     """
-    work = Path(work_dir) / f"grade-{secrets.token_hex(6)}"
-    box: BwrapSandbox | None = None
-    report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
-    filtered: FilteredDiff | None = None
-    junit_xml = ""
+    g = _Grading(task, Path(work_dir) / f"grade-{secrets.token_hex(6)}")
     try:
-        repo = work / "repo"
-        base = await asyncio.to_thread(prepare_repo, task, repo)
-        filtered = filter_diff_detailed(
-            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=_base_paths(repo)
+        base = await g.pristine_sources(diff)
+        limits = _limits(task, timeout, limits, memory_mb)
+        async with ResultServer() as results:
+            await g.start_sandbox(results, limits, hide_paths, label)
+            await g.run_task_setup(timeout)
+            await g.apply_agent_patch()
+            await g.install_hidden_tests(base)
+            tests = await g.run_tests(results, timeout)
+        g.judge(tests)
+    except _Stop:
+        pass
+    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
+        g.infrastructure_failed(e)
+    finally:
+        g.report.resolved = g.report.outcome == Outcome.RESOLVED
+        if g.box is not None:
+            await g.box.close()
+        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml)
+        if not keep:
+            shutil.rmtree(g.work, ignore_errors=True)
+    return g.report
+
+
+def _limits(task: Task, timeout: float, limits: SandboxLimits | None, memory_mb: int | None) -> SandboxLimits:
+    """The grading sandbox's limits: its lifetime covers the tests' timeout plus set-up room."""
+    setup_room = _setup_room(task)
+    limits = limits or SandboxLimits(lifetime_s=timeout + setup_room + 60)
+    return limits.with_(memory_mb=memory_mb) if memory_mb is not None else limits
+
+
+def _setup_room(task: Task) -> float:
+    return 120.0 if task.setup.strip() else 30.0
+
+
+@dataclasses.dataclass
+class _TestRun:
+    """What the test command left: its result, the streamed run and pytest's own JUnit report."""
+
+    result: ExecResult
+    run: StreamedRun
+    junit: dict[tuple[str, str], str] | None
+    junit_error: str
+
+
+class _Grading:
+    """One grading, step by step; each step fills ``report`` and raises _Stop when the verdict is in."""
+
+    def __init__(self, task: Task, work: Path) -> None:
+        self.task = task
+        self.work = work
+        self.repo = work / "repo"
+        self.box: BwrapSandbox | None = None
+        self.report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
+        self.filtered: FilteredDiff | None = None
+        self.junit_xml = ""
+
+    def _finish(self, outcome: Outcome, reason: str, log_tail: str | None = None, missing: bool = False) -> _Stop:
+        """The report's verdict, to raise: ``missing`` marks every graded test missing (none ran)."""
+        self.report.outcome, self.report.reason = outcome, reason
+        if log_tail is not None:
+            self.report.log_tail = log_tail
+        if missing:
+            self.report.tests = dict.fromkeys(self.task.test_ids, "missing")
+        return _Stop()
+
+    async def pristine_sources(self, diff: str) -> str:
+        """A fresh copy of the task repo, and the part of ``diff`` the grader applies (the source
+        part; a diff that reaches into the test runner is refused). Returns the base commit."""
+        task, report = self.task, self.report
+        base = await asyncio.to_thread(prepare_repo, task, self.repo)
+        self.filtered = filtered = filter_diff_detailed(
+            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=_base_paths(self.repo)
         )
         report.applied_paths, report.dropped_paths = filtered.applied_paths, filtered.dropped_paths
         _set_extra(report, applied_diff=filtered.kept, dropped_diff=filtered.dropped)
-        if findings := scan(filtered.kept, _pristine_reader(repo)):
-            report.outcome = Outcome.UNRESOLVED
-            report.reason = "diff reaches into the test runner or verdict: " + "; ".join(findings[:5])
-            report.tests = dict.fromkeys(task.test_ids, "missing")
-            raise _Stop
-        setup_room = 120.0 if task.setup.strip() else 30.0
-        limits = limits or SandboxLimits(lifetime_s=timeout + setup_room + 60)
-        if memory_mb is not None:
-            limits = limits.with_(memory_mb=memory_mb)
-        async with ResultServer() as results:
-            ro_binds = {VERIFIER_INSIDE: results.dir}
-            if task.tests_dir:
-                _materialize_tests_dir(task, work / "tests")
-                ro_binds[task.tests_dir] = work / "tests"
-            box = await BwrapSandbox.create(
-                workspace=repo,
-                sandbox_dir=work / "sandbox",
-                label=label or f"grade-{task.instance_id}",
-                hide_paths=[*hide_paths, work],
-                ro_binds=ro_binds,
-                limits=limits,
-                inside_workspace=task.workdir,
-            )
-            if task.setup.strip():  # on pristine sources: a failure here is the task's, not the agent's
-                r = await box.exec(task.setup, timeout=max(timeout, setup_room))
-                if r.returncode != 0:
-                    report.reason = f"task setup failed (exit {r.returncode})"
-                    report.log_tail = r.output[-LOG_TAIL:]
-                    raise _Stop
-            if filtered.kept.strip():
-                await box.write_file("/tmp/agent.patch", filtered.kept)
-                # Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none.
-                r = await box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60)
-                if r.returncode != 0:
-                    report.outcome, report.reason = Outcome.UNRESOLVED, "patch did not apply (git apply, no fuzz)"
-                    report.log_tail = r.output[-LOG_TAIL:]
-                    report.tests = dict.fromkeys(task.test_ids, "missing")
-                    raise _Stop
-            if not task.tests_dir:
-                if err := await _install_hidden_tests(box, task, base):
-                    report.reason = err
-                    raise _Stop
-                await asyncio.to_thread(protect_test_files, repo, test_files(task))
-            junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
-            rootdir = task.tests_dir or task.workdir
-            args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--rootdir={rootdir}",
-                    f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
-            cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
-            r = await box.exec(cmd, timeout=timeout, env=GRADER_ENV)
-            report.exit_code, report.log_tail = r.returncode, r.output[-LOG_TAIL:]
-            junit, junit_error = None, ""
-            try:
-                junit = parse_junit_text(await box.read_file(junit_inside))
-            except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
-                junit_error = str(e)[:300]
-            # Close first: nothing the tests left running can add to the stream while we judge it.
-            await box.close()
-            await results.wait_done(5.0)
-            await results.stop()
-            run = results.run
-        verdict = decide(
-            run, task.test_ids, exit_code=r.returncode, timed_out=r.timed_out, junit=junit, junit_error=junit_error
+        if findings := scan(filtered.kept, _pristine_reader(self.repo)):
+            reason = "diff reaches into the test runner or verdict: " + "; ".join(findings[:5])
+            raise self._finish(Outcome.UNRESOLVED, reason, missing=True)
+        return base
+
+    async def start_sandbox(
+        self, results: ResultServer, limits: SandboxLimits, hide_paths: Sequence[Path], label: str | None
+    ) -> None:
+        """A fresh sandbox on the pristine repo, the verifier plugin (and a Harbor task's tests) read-only."""
+        task = self.task
+        ro_binds = {VERIFIER_INSIDE: results.dir}
+        if task.tests_dir:
+            _materialize_tests_dir(task, self.work / "tests")
+            ro_binds[task.tests_dir] = self.work / "tests"
+        self.box = await BwrapSandbox.create(
+            workspace=self.repo,
+            sandbox_dir=self.work / "sandbox",
+            label=label or f"grade-{task.instance_id}",
+            hide_paths=[*hide_paths, self.work],
+            ro_binds=ro_binds,
+            limits=limits,
+            inside_workspace=task.workdir,
         )
+
+    async def run_task_setup(self, timeout: float) -> None:
+        """The task's set-up, on pristine sources: a failure here is the task's, not the agent's."""
+        assert self.box is not None
+        if not self.task.setup.strip():
+            return
+        r = await self.box.exec(self.task.setup, timeout=max(timeout, _setup_room(self.task)))
+        if r.returncode != 0:
+            raise self._finish(Outcome.GRADER_ERROR, f"task setup failed (exit {r.returncode})", r.output[-LOG_TAIL:])
+
+    async def apply_agent_patch(self) -> None:
+        """Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none."""
+        assert self.box is not None and self.filtered is not None
+        if not self.filtered.kept.strip():
+            return
+        await self.box.write_file("/tmp/agent.patch", self.filtered.kept)
+        r = await self.box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60)
+        if r.returncode != 0:
+            reason = "patch did not apply (git apply, no fuzz)"
+            raise self._finish(Outcome.UNRESOLVED, reason, r.output[-LOG_TAIL:], missing=True)
+
+    async def install_hidden_tests(self, base: str) -> None:
+        """In-workspace hidden tests written last, then protected from the code under test."""
+        assert self.box is not None
+        if self.task.tests_dir:
+            return  # mounted read-only by start_sandbox
+        if err := await _install_hidden_tests(self.box, self.task, base):
+            raise self._finish(Outcome.GRADER_ERROR, err)
+        await asyncio.to_thread(protect_test_files, self.repo, test_files(self.task))
+
+    async def run_tests(self, results: ResultServer, timeout: float) -> _TestRun:
+        """pytest with the verifier plugin; then the sandbox is closed before the stream is judged."""
+        assert self.box is not None
+        task = self.task
+        junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
+        rootdir = task.tests_dir or task.workdir
+        args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--rootdir={rootdir}",
+                f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
+        cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
+        r = await self.box.exec(cmd, timeout=timeout, env=GRADER_ENV)
+        self.report.exit_code, self.report.log_tail = r.returncode, r.output[-LOG_TAIL:]
+        junit, junit_error = None, ""
+        try:
+            junit = parse_junit_text(await self.box.read_file(junit_inside))
+        except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
+            junit_error = str(e)[:300]
+        # Close first: nothing the tests left running can add to the stream while we judge it.
+        await self.box.close()
+        await results.wait_done(5.0)
+        await results.stop()
+        return _TestRun(r, results.run, junit, junit_error)
+
+    def judge(self, tests: _TestRun) -> None:
+        """The verdict: the stream, pytest's exit code and its JUnit report must agree (verdict.py)."""
+        run, r, report = tests.run, tests.result, self.report
+        verdict = decide(run, self.task.test_ids, exit_code=r.returncode, timed_out=r.timed_out,
+                         junit=tests.junit, junit_error=tests.junit_error)  # fmt: skip
         report.outcome, report.reason, report.tests = verdict.outcome, verdict.reason, verdict.tests
         report.resolved = verdict.resolved
         report.collected = len(run.collected or [])
-        junit_xml = to_junit_xml(run.statuses(), details=run.longrepr)
-        return report
-    except _Stop:
-        return report
-    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
+        self.junit_xml = to_junit_xml(run.statuses(), details=run.longrepr)
+
+    def infrastructure_failed(self, e: Exception) -> None:
+        """GRADER_ERROR with the reason; UNRESOLVED when the code under test blew a sandbox limit."""
+        report = self.report
         report.resolved, report.outcome = False, Outcome.GRADER_ERROR
         report.reason = f"{type(e).__name__}: {e}"[:2000]
-        if box is not None and box.violation:
-            report.reason = f"grading sandbox killed: {box.violation}"
+        if self.box is not None and self.box.violation:
+            report.reason = f"grading sandbox killed: {self.box.violation}"
             report.outcome = Outcome.UNRESOLVED  # the code under test blew a limit
-        return report
-    finally:
-        report.resolved = report.outcome == Outcome.RESOLVED
-        if box is not None:
-            await box.close()
-        _write_artifacts(artifacts_dir, report, filtered, junit_xml)
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
