@@ -24,12 +24,12 @@ DEFAULT_INSTANCE_TEMPLATE = "Fix this issue in the repository in the current dir
 
 
 def find_cli(name: str, explicit: str | None = None) -> str:
-    """The CLI's absolute path (the host root is visible read-only inside the sandbox)."""
+    """The CLI's real path (the sandbox sees the venv and /usr read-only, not links into them)."""
     import shutil
 
     for cand in (explicit, str(NPM_BIN / name), shutil.which(name)):
         if cand and Path(cand).exists():
-            return str(Path(cand).absolute())
+            return str(Path(cand).resolve())  # through symlinks: the sandbox binds the real venv, not a link to it
     raise HarnessCrashed(f"{name} CLI not found (looked in {NPM_BIN} and PATH): run `make setup-test` or "
                          f"`npm install --prefix .venv/npm` the pinned version")
 
