@@ -98,8 +98,9 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
     if not (run_dir / "tokenizer").exists():
         tok.save_pretrained(run_dir / "tokenizer")  # lets `legorl report` check decode(ids) == text
     store = Store(run_dir / "store.sqlite")
-    proxy = Proxy(engine, tok, sampling=SamplingOverride(temperature, top_p, max_tokens), model_name=served,
-                  on_call=store.add_call, parser=get_parser(parser), accept_new_sessions=True)
+    sampling = SamplingOverride(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    proxy = Proxy(engine, tok, sampling=sampling, model_name=served, on_call=store.add_call, parser=get_parser(parser),
+                  accept_new_sessions=True)
     await proxy.start(host, port, unix_socket=unix_socket)
     typer.echo(f"legorl proxy on http://{proxy.host}:{proxy.port} (model {served!r}, engine {engine_name})\n"
                f"  OpenAI base URL:    {proxy.openai_base_url('<session>')}\n"

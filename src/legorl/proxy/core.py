@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from legorl.config import SamplingConfig
 from legorl.engine.base import ContextOverflowError
 from legorl.proxy.bridge import PastCall, TokenBridge, normalize_message, reply_message
 from legorl.proxy.errors import ProxyError
@@ -25,14 +25,9 @@ from legorl.records import GenerationResult, LLMCall, SamplingParams
 TEXTS_KEPT = 4
 
 
-@dataclass
-class SamplingOverride:
-    """The run's sampling: what the harness asks for is recorded, this is what is used."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    top_k: int = 0
+# The run's sampling (the config's `sampling:` section): what the harness asks for is recorded, this is
+# what is used, max_tokens as a cap on what the harness asks for.
+SamplingOverride = SamplingConfig
 
 
 class CallCore:

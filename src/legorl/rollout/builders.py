@@ -13,7 +13,7 @@ from typing import Any
 
 from legorl.config import Config, ConfigError, HarnessConfig, SFTConfig
 from legorl.harness.base import Harness
-from legorl.proxy.server import Proxy, SamplingOverride
+from legorl.proxy.server import Proxy
 from legorl.records import LLMCall
 from legorl.rollout.episode import EpisodeContext
 from legorl.rollout.outcomes import resolve_policies
@@ -50,9 +50,7 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
 
 def make_proxy(cfg: Config, engine: Any, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
     """The LLM proxy with the run's sampling overrides; every call goes to `on_call` (a store)."""
-    s = cfg.sampling
-    return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name,
-                 sampling=SamplingOverride(s.temperature, s.top_p, s.max_tokens, s.top_k), on_call=on_call)
+    return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name, sampling=cfg.sampling, on_call=on_call)
 
 
 def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
