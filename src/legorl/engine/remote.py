@@ -445,6 +445,24 @@ def _top_k(params: SamplingParams) -> int:
     return int(getattr(params, "top_k", 0) or 0)
 
 
+def _sampling_fields(params: SamplingParams, *, max_tokens: str, seed: str) -> dict[str, Any]:
+    """The sampling parameters both servers read, under each server's names for the completion
+    budget and the seed (top_k -1: off); stops and the seed only when set."""
+    fields: dict[str, Any] = {
+        max_tokens: params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": _top_k(params) or -1,
+    }
+    if params.stop:
+        fields["stop"] = params.stop
+    if params.stop_token_ids:
+        fields["stop_token_ids"] = params.stop_token_ids
+    if params.seed is not None:
+        fields[seed] = params.seed
+    return fields
+
+
 class VLLMEngine(RemoteEngine):
     """vLLM servers (``vllm serve MODEL --return-tokens-as-token-ids --logprobs-mode processed_logprobs``).
 
@@ -461,10 +479,7 @@ class VLLMEngine(RemoteEngine):
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": _top_k(params) or -1,
+            **_sampling_fields(params, max_tokens="max_tokens", seed="seed"),
             "logprobs": 1,
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
@@ -473,12 +488,6 @@ class VLLMEngine(RemoteEngine):
         }
         if self.model is None:
             del body["model"]
-        if params.stop:
-            body["stop"] = params.stop
-        if params.stop_token_ids:
-            body["stop_token_ids"] = params.stop_token_ids
-        if params.seed is not None:
-            body["seed"] = params.seed
         return "/v1/completions", body
 
     def _parse(
@@ -547,20 +556,11 @@ class SGLangEngine(RemoteEngine):
     kind = "sglang"
 
     def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
-        sp: dict[str, Any] = {
-            "max_new_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": _top_k(params) or -1,
+        sp = {
+            **_sampling_fields(params, max_tokens="max_new_tokens", seed="sampling_seed"),
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
-        if params.stop:
-            sp["stop"] = params.stop
-        if params.stop_token_ids:
-            sp["stop_token_ids"] = params.stop_token_ids
-        if params.seed is not None:
-            sp["sampling_seed"] = params.seed
         body = {
             "input_ids": prompt_ids,
             "sampling_params": sp,

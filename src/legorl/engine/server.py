@@ -213,6 +213,16 @@ class EngineServer:
     async def _run(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
         return await self.engine.generate(prompt, params)
 
+    def _failed(self, e: BadRequest | EngineError, overflow: str) -> JSONResponse:
+        """A failed request's error: 400 for bad input or a prompt too long (``overflow``, in the words
+        of the API the client speaks, with ``{e}`` and ``{max_context}``), 503 once the engine is closed."""
+        if isinstance(e, ContextOverflowError):
+            message = overflow.format(e=e, max_context=self.engine.max_context())
+            return _error(message, 400, "ContextOverflowError")
+        if isinstance(e, EngineError):
+            return _error(str(e), 400 if "engine is closed" not in str(e) else 503)
+        return _error(str(e))
+
     async def completions(self, request: Request) -> Response:
         try:
             body = await self._body(request)
@@ -223,16 +233,8 @@ class EngineServer:
             prompt = self._prompt(body.get("prompt"), "prompt")
             params = _params(body, "max_tokens", 16, "seed")
             res = await self._run(prompt, params)
-        except BadRequest as e:
-            return _error(str(e))
-        except ContextOverflowError as e:
-            return _error(
-                f"This model's maximum context length is {self.engine.max_context()} tokens: {e}",
-                400,
-                "ContextOverflowError",
-            )
-        except EngineError as e:
-            return _error(str(e), 400 if "engine is closed" not in str(e) else 503)
+        except (BadRequest, EngineError) as e:
+            return self._failed(e, "This model's maximum context length is {max_context} tokens: {e}")
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         pieces = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in res.completion_ids]
         logprobs = None
@@ -289,17 +291,10 @@ class EngineServer:
                 raise BadRequest("sampling_params must be an object")
             params = _params(sp, "max_new_tokens", 128, "sampling_seed")
             res = await self._run(prompt, params)
-        except BadRequest as e:
-            return _error(str(e))
-        except ContextOverflowError as e:
-            return _error(
-                f"The input ({e}) is longer than the model's context length "
-                f"({self.engine.max_context()} tokens).",
-                400,
-                "ContextOverflowError",
+        except (BadRequest, EngineError) as e:
+            return self._failed(
+                e, "The input ({e}) is longer than the model's context length ({max_context} tokens)."
             )
-        except EngineError as e:
-            return _error(str(e), 400 if "engine is closed" not in str(e) else 503)
         if res.finish_reason == "stop":
             last = res.completion_ids[-1]
             finish: dict[str, Any] = {
