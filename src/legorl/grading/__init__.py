@@ -20,18 +20,7 @@ _EXPORTS = {
     "validate_task": "legorl.grading.validate",
     "validate_tasks": "legorl.grading.validate",
 }
-__all__ = [
-    "empty_patch_report",
-    "filter_diff",
-    "filter_diff_detailed",
-    "grade",
-    "is_test_path",
-    "junit_key",
-    "parse_junit",
-    "validate_task",
-    "validate_tasks",
-    "workspace_diff",
-]
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - the names _EXPORTS loads lazily
 
 
 def __getattr__(name: str) -> Any:
