@@ -14,15 +14,7 @@ import json
 from typing import Any
 
 from legorl.proxy.errors import ProxyError, anthropic_error_body
-from legorl.proxy.request import (
-    ANTHROPIC,
-    ChatRequest,
-    Problems,
-    function_tool,
-    join_texts,
-    text_of,
-    tool_list,
-)
+from legorl.proxy.request import ANTHROPIC, ChatRequest, Problems, function_tool, join_texts
 from legorl.proxy.wire import Choice, Completion, WireFormat, sse
 
 KNOWN = frozenset({
@@ -154,7 +146,7 @@ class AnthropicMessages(WireFormat):
 
 def _blocks_text(content: Any, where: str, p: Problems) -> str | None:
     """Text of a string or an array of text blocks (other block types are not rendered)."""
-    return text_of(content, where, p, ("text",), refusals=False, join=join_texts)
+    return p.content_text(content, where, ("text",), refusals=False, join=join_texts)
 
 
 def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
@@ -210,7 +202,7 @@ def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any, p: Problems) -> list[dict[str, Any]] | None:
-    tools = tool_list(tools, p)
+    tools = p.tool_array(tools)
     if tools is None:
         return None
     out = []

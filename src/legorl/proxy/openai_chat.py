@@ -5,16 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from legorl.proxy.errors import ProxyError, openai_error_body
-from legorl.proxy.request import (
-    MAX_N,
-    MAX_TOP_LOGPROBS,
-    ChatRequest,
-    Problems,
-    function_tool,
-    openai_tool_choice,
-    text_of,
-    tool_list,
-)
+from legorl.proxy.request import MAX_N, MAX_TOP_LOGPROBS, ChatRequest, Problems, function_tool
 from legorl.proxy.wire import Choice, Completion, WireFormat, sse
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -58,7 +49,7 @@ class OpenAIChat(WireFormat):
         seed = p.integer(body, "seed")
         stop = p.stop_list(body, "stop", limit=4)
         opts = p.typed(body, "stream_options", dict, "an object") or {}
-        choice = openai_tool_choice(body, p)
+        choice = p.openai_tool_choice(body)
         p.raise_if_any()
         return ChatRequest(
             wire_format=self.name, body=body, messages=messages, tools=tools, model=model or "",
@@ -150,7 +141,7 @@ def _message(m: Any, i: int, p: Problems) -> dict[str, Any] | None:
         p.add(f"{where}.content", f"{where}.content must be a string, an array of content parts or null")
         return None
     if isinstance(content, list):
-        content = text_of(content, f"{where}.content", p, TEXT_PARTS)
+        content = p.content_text(content, f"{where}.content", TEXT_PARTS)
         if content is None:
             return None
     if role == "developer":
@@ -184,7 +175,7 @@ def _tools(body: dict[str, Any], p: Problems) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
     if tools is None and isinstance(body.get("functions"), list):  # the legacy form
         tools = [{"type": "function", "function": f} for f in body["functions"]]
-    tools = tool_list(tools, p)
+    tools = p.tool_array(tools)
     if tools is None:
         return None
     out = []

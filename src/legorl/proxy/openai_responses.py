@@ -16,15 +16,7 @@ from typing import Any
 
 from legorl.proxy.bridge import reply_message
 from legorl.proxy.errors import ProxyError, openai_error_body
-from legorl.proxy.request import (
-    MAX_TOP_LOGPROBS,
-    ChatRequest,
-    Problems,
-    function_tool,
-    openai_tool_choice,
-    text_of,
-    tool_list,
-)
+from legorl.proxy.request import MAX_TOP_LOGPROBS, ChatRequest, Problems, function_tool
 from legorl.proxy.wire import Choice, Completion, WireFormat, new_id, sse
 
 KNOWN = frozenset({
@@ -70,7 +62,7 @@ class OpenAIResponses(WireFormat):
         top = p.integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         stream = p.boolean(body, "stream")
         include = p.typed(body, "include", list, "an array of strings") or []
-        choice = openai_tool_choice(body, p)
+        choice = p.openai_tool_choice(body)
         p.raise_if_any()
         system = [{"role": "system", "content": instructions}] if instructions else []
         return ChatRequest(
@@ -220,7 +212,7 @@ class OpenAIResponses(WireFormat):
 
 
 def _text_of(content: Any, where: str, p: Problems) -> str | None:
-    return text_of(content, where, p, TEXT_PARTS)
+    return p.content_text(content, where, TEXT_PARTS)
 
 
 def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
@@ -272,7 +264,7 @@ def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
 def _tools(tools: Any, p: Problems) -> tuple[list[dict[str, Any]] | None, set[str], dict[str, str]]:
     custom: set[str] = set()
     namespaces: dict[str, str] = {}
-    tools = tool_list(tools, p)
+    tools = p.tool_array(tools)
     if tools is None:
         return None, custom, namespaces
     out = []

@@ -124,6 +124,45 @@ class Problems:
         self.add(key, f"'{key}' must be a string or an array of strings")
         return []
 
+    def content_text(self, content: Any, where: str, text_types: tuple[str, ...], *, refusals: bool = True,
+                     join: Callable[[list[str]], str] = "".join) -> str | None:
+        """The text of a content value: a string, None (""), or a list of typed parts whose text parts
+        (and refusals) are joined; other parts (images...) are not rendered. None when it is malformed."""
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            self.must(where, f"a string or an array of {self.dialect.part}s")
+            return None
+        texts = []
+        for j, part in enumerate(content):
+            at = self.at(where, j)
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                self.must(at, f"{self.dialect.part_object} with a 'type'")
+                return None
+            if part["type"] in text_types:
+                if not isinstance(part.get("text"), str):
+                    self.must(f"{at}.text", "a string")
+                    return None
+                texts.append(part["text"])
+            elif refusals and part["type"] == "refusal" and isinstance(part.get("refusal"), str):
+                texts.append(part["refusal"])
+        return join(texts)
+
+    def tool_array(self, tools: Any) -> list[Any] | None:
+        """The `tools` array of a body (None when absent or malformed)."""
+        if tools is not None and not isinstance(tools, list):
+            self.must("tools", "an array", top=True)
+            return None
+        return tools
+
+    def openai_tool_choice(self, body: dict[str, Any]) -> Any:
+        choice = body.get("tool_choice")
+        if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
+            self.add("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or an object")
+        return choice
+
     def unknown(self, body: dict, known: frozenset[str]) -> None:
         extra = sorted(k for k in body if k not in known)
         if extra:
@@ -138,48 +177,6 @@ def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ProxyError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def text_of(content: Any, where: str, p: Problems, text_types: tuple[str, ...], *, refusals: bool = True,
-            join: Callable[[list[str]], str] = "".join) -> str | None:
-    """The text of a content value: a string, None (""), or a list of typed parts whose text parts
-    (and refusals) are joined; other parts (images...) are not rendered. None when it is malformed."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        p.must(where, f"a string or an array of {p.dialect.part}s")
-        return None
-    texts = []
-    for j, part in enumerate(content):
-        at = p.at(where, j)
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            p.must(at, f"{p.dialect.part_object} with a 'type'")
-            return None
-        if part["type"] in text_types:
-            if not isinstance(part.get("text"), str):
-                p.must(f"{at}.text", "a string")
-                return None
-            texts.append(part["text"])
-        elif refusals and part["type"] == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-    return join(texts)
-
-
-def tool_list(tools: Any, p: Problems) -> list[Any] | None:
-    """The `tools` array of a body (None when absent or malformed)."""
-    if tools is not None and not isinstance(tools, list):
-        p.must("tools", "an array", top=True)
-        return None
-    return tools
-
-
-def openai_tool_choice(body: dict[str, Any], p: Problems) -> Any:
-    choice = body.get("tool_choice")
-    if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
-        p.add("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or an object")
-    return choice
 
 
 def join_texts(texts: list[str]) -> str:
