@@ -54,6 +54,7 @@ demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis)
 
 test: setup-test
 	$(VENV)/bin/legorl doctor
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: setup-test
