@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from legorl.monitor.behaviour import aggregate, analyse_calls, step_metrics, turns_from_calls
 from legorl.monitor.commands import classify_command, classify_tool_call, same_file
-from legorl.monitor.messages import conversation_items, messages_of, new_messages
+from legorl.monitor.messages import FORMATS, conversation_items, messages_of, new_messages
 from legorl.records import LLMCall, Outcome, Rollout, ToolCall
 
 BASH_TOOL = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -161,6 +163,31 @@ def test_codex_tool_results_parsed() -> None:
     assert msgs[0].role == "system" and msgs[0].text == "You are Codex."
     assert [m.role for m in msgs[1:]] == ["user", "assistant", "tool", "assistant", "tool"]
     assert msgs[-1].tool_call_id == "call_1" and msgs[-1].text == "exit 0, output 1"
+
+
+# ---- one parser per wire format: the dashboard reads bodies as the proxy parsed them ------------------------
+@pytest.mark.parametrize("calls,fmt", [(mini_trajectory, "openai_chat"), (claude_trajectory, "anthropic_messages"),
+                                       (codex_trajectory, "openai_responses")])
+def test_messages_are_the_proxys_canonical_messages(calls, fmt: str) -> None:
+    parser = FORMATS[fmt](strict_fields=False)
+    for c in calls():
+        body = {"max_tokens": 64, **c.request}  # Anthropic requires max_tokens; the dashboard does not
+        want = parser.parse(body).messages
+        got = messages_of(body, fmt)
+        assert [(m.role, m.text, m.tool_call_id) for m in got] == \
+            [(m["role"], m["content"] or "", m.get("tool_call_id")) for m in want]
+
+
+def test_anthropic_tool_results_flagged_as_errors() -> None:
+    body = claude_trajectory()[3].request
+    body["messages"][-1]["content"][0]["is_error"] = True  # Claude Code: "<tool_use_error>..." results
+    msgs = messages_of(body, "anthropic_messages")
+    assert [(m.role, m.is_error) for m in msgs if m.role == "tool"] == [("tool", False), ("tool", True)]
+
+
+def test_the_dashboard_does_not_load_torch() -> None:
+    code = "import sys, legorl.monitor.server, legorl.monitor.messages; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- aggregation and step metrics -------------------------------------------------------------------------

@@ -49,10 +49,6 @@ def _parsers(tokenizer):
     return [OpenAIChat(tokenizer), OpenAIResponses(tokenizer), AnthropicMessages(tokenizer)]
 
 
-def _parsers(tokenizer):
-    return [OpenAIChat(tokenizer), OpenAIResponses(tokenizer), AnthropicMessages(tokenizer)]
-
-
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODY, beta=st.booleans())
 def test_parsers_never_crash(tokenizer, body, beta):
