@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from legorl.grading.synth_cli import predictions_command, synth_command
+
 
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
@@ -80,6 +82,8 @@ SHORT = {
     "hidden_test_lookup": "lookup", "test_edit": "test-edit",
 }  # fmt: skip
 tasks_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect and validate task sets.")
+tasks_app.command("synth")(synth_command)
+tasks_app.command("predictions")(predictions_command)
 
 
 @tasks_app.command("validate")

@@ -13,12 +13,18 @@ from legorl.tasks.schema import Task, TaskError
 BUILTIN_DEFAULT_N = 8
 
 
-def load_jsonl(path: Path | str) -> list[Task]:
+def load_jsonl(path: Path | str, mirrors: list[Path] | None = None) -> list[Task]:
     """One Task per non-empty line; a bad row raises TaskError naming the line and field.
 
-    A relative ``repo_path`` is resolved against the JSONL file's directory.
+    A relative ``repo_path`` is resolved against the JSONL file's directory. A row without one
+    (official SWE-bench / SWE-Gym rows name only ``repo``) gets its clone from a mirror directory
+    (``mirrors``; default ``$LEGORL_REPO_MIRROR``, then ``repos/`` next to the file), found as
+    ``OWNER__NAME``, ``OWNER/NAME`` or ``NAME`` (see ``legorl.tasks.swebench``).
     """
+    from legorl.tasks.swebench import default_mirrors, mirror_path
+
     path = Path(path)
+    mirror_dirs = default_mirrors(path) if mirrors is None else list(mirrors)
     tasks: list[Task] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -32,6 +38,9 @@ def load_jsonl(path: Path | str) -> list[Task]:
                 raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             if isinstance(row.get("repo_path"), str) and not Path(row["repo_path"]).is_absolute():
                 row["repo_path"] = str((path.parent / row["repo_path"]).resolve())
+            elif row.get("repo_path") is None and not row.get("files") and isinstance(row.get("repo"), str):
+                found = mirror_path(row["repo"], mirror_dirs)
+                row["repo_path"] = str(found) if found is not None else None
             try:
                 tasks.append(Task.model_validate(row))
             except pydantic.ValidationError as e:

@@ -1,0 +1,23 @@
+"""The bundled package list for ``legorl tasks synth --bundled`` (exact pins).
+
+Small pure-Python packages whose sdists ship their tests and whose suites pass offline with
+pytest, the standard library and legorl's own dependencies only; chosen by running each
+candidate's suite the way ``synth`` does (BENCHMARKS.md, "Real tasks"). Test files that need a
+missing dependency (``freezegun``, ``railroad``) or report subtests are left out per file.
+"""
+
+BUNDLED_PACKAGES: tuple[str, ...] = (
+    "boltons==26.2.0",
+    "cachetools==8.0.2",
+    "humanize==4.17.0",
+    "inflection==0.5.1",
+    "itsdangerous==2.2.0",
+    "pyparsing==3.3.3",
+    "python-slugify==9.2.0",
+    "semver==3.1.2",
+    "simplejson==4.3.0",
+    "six==1.17.0",
+    "tabulate==0.10.0",
+    "text-unidecode==1.3",
+    "toolz==1.2.0",
+)
