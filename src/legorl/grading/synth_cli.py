@@ -124,6 +124,7 @@ def synth_command(
     )
     results = []
     invalid: dict[str, dict[str, str]] = {}
+    errors: dict[str, str] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         for spec in specs:
@@ -146,7 +147,8 @@ def synth_command(
             try:
                 res = synthesize_package(spec, out, cfg, runner=runner, cache=cache, progress=progress)
             except TaskError as e:
-                bar.update(job, description=f"{spec}: [red]{e}"[:160], total=1, completed=1)
+                bar.update(job, description=f"{spec}: [red]failed", total=1, completed=1)
+                errors[spec] = str(e)
                 continue
             if res.error:
                 bar.update(job, description=f"{res.source.slug}: [red]{res.error}"[:160])
@@ -163,6 +165,7 @@ def synth_command(
     report = summary(results)
     report["validated"] = validate
     report["invalid"] = invalid
+    report["errors"] = errors
     (out / "synth-report.json").write_text(json.dumps(report, indent=2) + "\n")
     table = Table(title=f"legorl tasks synth -> {out / 'tasks.jsonl'}")
     for col in ("package", "kept", "tried", "usable tests", "rejected", "minutes"):
@@ -176,6 +179,8 @@ def synth_command(
         f"{report['kept']} tasks kept from {sum(1 for p in report['packages'] if p['kept'])} packages"
         + (" (every one passed the `legorl tasks validate` checks)" if validate else " (not validated)")
     )
+    for spec, err in errors.items():
+        console.print(f"[red]error[/] {spec}: {err}", highlight=False)
     for bad in invalid.values():
         for iid, why in bad.items():
             console.print(f"[yellow]dropped[/] {iid}: {why}", highlight=False)

@@ -241,7 +241,7 @@ def _excluded_dir(rel: PurePosixPath) -> bool:
     return any(part in NOT_SOURCE_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1])
 
 
-def test_files(root: Path) -> list[str]:
+def find_test_files(root: Path) -> list[str]:
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = PurePosixPath(p.relative_to(root).as_posix())
@@ -252,7 +252,7 @@ def test_files(root: Path) -> list[str]:
     return out
 
 
-def source_files(root: Path) -> list[str]:
+def find_source_files(root: Path) -> list[str]:
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = PurePosixPath(p.relative_to(root).as_posix())
@@ -272,7 +272,7 @@ def pytest_args(root: Path) -> list[str]:
     return args
 
 
-def test_command(args: list[str]) -> str:
+def pytest_command(args: list[str]) -> str:
     return " ".join(["python -m pytest -q", *args])
 
 
@@ -553,7 +553,7 @@ def synthesize_package(
 def _search(source: PackageSource, out: Path, cfg: SynthConfig, runner: Runner, tmp: Path, result: PackageResult,
             emit: Callable[[str, dict[str, Any]], None]) -> None:  # fmt: skip
     root = source.root
-    tests, srcs, args = test_files(root), source_files(root), pytest_args(root)
+    tests, srcs, args = find_test_files(root), find_source_files(root), pytest_args(root)
     if not tests:
         raise TaskError(f"{source.slug}: the sdist ships no test files (test_*.py / *_test.py)")
     work = tmp / "work"
@@ -636,7 +636,7 @@ def _row(
         "FAIL_TO_PASS": json.dumps(v.f2p),
         "PASS_TO_PASS": json.dumps(v.p2p),
         "repo_path": f"repos/{source.slug}",
-        "test_command": test_command(pytest_args(work)),
+        "test_command": pytest_command(pytest_args(work)),
         "family": f"synth-{m.operator}",
         "split": "heldout" if heldout else "train",
         "synth": {
