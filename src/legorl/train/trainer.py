@@ -175,7 +175,8 @@ class Trainer:
                     routes = self._forward_routes(mb, st.decoupled)
                     stats = ReplayStats()
                     last = j == len(micros) - 1
-                    with dist.no_sync_if_sharded(self.model, last), self._routing(self.model, routes, None, stats):
+                    replay = self._routing(self.model, routes, None, stats)
+                    with dist.no_sync_if_sharded(self.model, last), replay:
                         cur, ent = self._logprobs(self.model, mb, entropy_grad=bool(self.entropy_coef))
                         old, corr, ref = self._old_policy(mb, cur, ent, routes, st)
                         terms = policy_terms(
