@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -154,7 +155,9 @@ def synth_command(
                 bar.update(job, description=f"{res.source.slug}: [red]{res.error}"[:160])
             elif validate and res.rows:
                 bar.update(job, description=f"{res.source.slug}: validating {len(res.rows)} tasks")
+                t0 = time.monotonic()
                 bad = _validate(res, out, validate_timeout, concurrency)
+                res.validate_s = time.monotonic() - t0
                 if bad:
                     invalid[res.source.slug] = bad
                     res.rows = [r for r in res.rows if r["instance_id"] not in bad]
@@ -162,6 +165,12 @@ def synth_command(
                 bar.update(job, description=f"{res.source.slug}: kept {len(res.rows)}/{n}, validated")
             results.append(res)
             write_rows(out, results)  # after every package: an interrupted run keeps what it made
+            rejected = ", ".join(f"{k} {v}" for k, v in sorted(res.rejected.items())) or "none"
+            bar.console.print(
+                f"{res.source.slug}: kept {len(res.rows)} of {res.tried} tried ({rejected}); "
+                f"{res.seconds:.0f} s mining" + (f", {res.validate_s:.0f} s validating" if validate else ""),
+                highlight=False,
+            )
     report = summary(results)
     report["validated"] = validate
     report["invalid"] = invalid

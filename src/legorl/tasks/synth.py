@@ -101,7 +101,8 @@ class PackageResult:
     tried: int = 0
     usable_tests: int = 0
     baseline_s: float = 0.0
-    seconds: float = 0.0
+    seconds: float = 0.0  # fetching, baseline and mutants
+    validate_s: float = 0.0  # the `legorl tasks validate` checks (set by the command)
     error: str = ""
 
 
@@ -688,6 +689,7 @@ def summary(results: list[PackageResult]) -> dict[str, Any]:
                 "rejected": dict(sorted(r.rejected.items())),
                 "baseline_s": round(r.baseline_s, 1),
                 "seconds": round(r.seconds, 1),
+                "validate_s": round(r.validate_s, 1),
                 "error": r.error,
             }
             for r in results
