@@ -14,7 +14,7 @@ from legorl.records import Outcome
 from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.store import Store
 from legorl.tasks import builtin_splits
-from legorl.tasks.teacher import teacher_script
+from legorl.rollout.teacher import teacher_script
 
 
 async def _episodes(tokenizer, run_dir: Path, scripts):

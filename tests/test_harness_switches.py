@@ -32,7 +32,7 @@ from legorl.records import GraderReport, LLMCall, Outcome
 from legorl.rollout.builders import make_harness
 from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.tasks import builtin_splits
-from legorl.tasks.teacher import DONE, SUBMIT, teacher_script
+from legorl.rollout.teacher import DONE, SUBMIT, teacher_script
 
 SHORT = "You are a coding agent. Fix the bug with the shell tool, then reply Done."
 CODEX_QUIET = {"skills.include_instructions": False, "include_environment_context": False,

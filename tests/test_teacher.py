@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from legorl.tasks import builtin_splits
-from legorl.tasks.teacher import CHECK, Slip, gold_line_edit, scripted_teacher, teacher_script
+from legorl.rollout.teacher import CHECK, Slip, gold_line_edit, scripted_teacher, teacher_script
 
 TASKS = builtin_splits(48, 0, seed=3)[0]
 
@@ -32,7 +32,7 @@ def test_teacher_sed_turns_buggy_file_into_fixed_file(task, tmp_path):
 
 
 def test_teacher_finds_the_file_without_the_function_name_when_it_is_the_only_source():
-    from legorl.tasks.teacher import SOURCES
+    from legorl.rollout.teacher import SOURCES
 
     for task in TASKS:  # built-in repos: one module with functions, tests under tests/
         assert all(SOURCES in t for t in teacher_script(task)[:2]), teacher_script(task)

@@ -53,7 +53,7 @@ from legorl.sandbox import reap_orphans
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits
 from legorl.tasks.loaders import load_tasks as load_task_spec
-from legorl.tasks.teacher import Slip, scripted_teacher
+from legorl.rollout.teacher import Slip, scripted_teacher
 from legorl.train.advantages import group_advantages
 from legorl.train.schedule import LRSchedule
 from legorl.train.sequences import build_sequences, merge_stats

@@ -69,7 +69,7 @@ def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task, str
     """The SFT teacher engine and, for the scripted teacher, the script it plays per (task, harness name)."""
     from legorl.engine.scripted import ScriptedEngine
     from legorl.engine.upstream import UpstreamEngine
-    from legorl.tasks.teacher import scripted_teacher
+    from legorl.rollout.teacher import scripted_teacher
 
     if c.teacher == "upstream":
         if not (c.teacher_url and c.teacher_model):
