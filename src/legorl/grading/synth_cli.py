@@ -48,6 +48,14 @@ def _validate(result: PackageResult, out: Path, timeout: float, concurrency: int
     }
 
 
+def _write_report(out: Path, results: list, validate: bool, invalid: dict, errors: dict) -> dict[str, Any]:
+    from legorl.tasks.synth import summary
+
+    report = {**summary(results), "validated": validate, "invalid": invalid, "errors": errors}
+    (out / "synth-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def synth_command(
     package: Annotated[
         list[str] | None,
@@ -101,7 +109,7 @@ def synth_command(
     from legorl.tasks.mutate import OPERATORS
     from legorl.tasks.packages import BUNDLED_PACKAGES
     from legorl.tasks.schema import TaskError
-    from legorl.tasks.synth import SynthConfig, summary, synthesize_package, write_rows
+    from legorl.tasks.synth import SynthConfig, synthesize_package, write_rows
     from legorl.tasks.synth_runner import Runner
 
     specs = [*(package or []), *(BUNDLED_PACKAGES if bundled else ())]
@@ -150,6 +158,7 @@ def synth_command(
             except TaskError as e:
                 bar.update(job, description=f"{spec}: [red]failed", total=1, completed=1)
                 errors[spec] = str(e)
+                bar.console.print(f"{spec}: error: {e}", highlight=False)
                 continue
             if res.error:
                 bar.update(job, description=f"{res.source.slug}: [red]{res.error}"[:160])
@@ -165,17 +174,14 @@ def synth_command(
                 bar.update(job, description=f"{res.source.slug}: kept {len(res.rows)}/{n}, validated")
             results.append(res)
             write_rows(out, results)  # after every package: an interrupted run keeps what it made
+            _write_report(out, results, validate, invalid, errors)
             rejected = ", ".join(f"{k} {v}" for k, v in sorted(res.rejected.items())) or "none"
             bar.console.print(
                 f"{res.source.slug}: kept {len(res.rows)} of {res.tried} tried ({rejected}); "
                 f"{res.seconds:.0f} s mining" + (f", {res.validate_s:.0f} s validating" if validate else ""),
                 highlight=False,
             )
-    report = summary(results)
-    report["validated"] = validate
-    report["invalid"] = invalid
-    report["errors"] = errors
-    (out / "synth-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = _write_report(out, results, validate, invalid, errors)
     table = Table(title=f"legorl tasks synth -> {out / 'tasks.jsonl'}")
     for col in ("package", "kept", "tried", "usable tests", "rejected", "minutes"):
         table.add_column(col)

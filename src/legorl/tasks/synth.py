@@ -380,7 +380,7 @@ def problem_statement(source: PackageSource, run: TestRun, f2p: list[str], root:
             picked.append(t)
     picked += [t for t in f2p if t not in picked][: shown - len(picked)]
     for t in picked:
-        excerpt = failure_excerpt(run.tests[t].detail, t.split("::")[0], root)
+        excerpt = failure_excerpt(run.tests[t].detail if t in run.tests else {}, t.split("::")[0], root)
         if excerpt:
             out += ["", f"`{t}` fails with:", "", *[f"    {ln}" for ln in excerpt]]
     out += ["", "The tests are right: fix the library so that they pass, without breaking its other tests."]
@@ -503,7 +503,10 @@ def _try(m: Mutation, original: str, work: Path, files: list[str], base: _Baseli
             v.reason = "breaks_collection"
             return v
         ran = {t for t in base.usable if t.split("::")[0] in files}
-        failing = sorted(t for t in ran if run.tests.get(t) is None or run.tests[t].outcome != "passed")
+        if ran - set(run.tests):  # a test no longer collected (a parametrization changed): not a clean bug
+            v.reason = "breaks_collection"
+            return v
+        failing = sorted(t for t in ran if run.tests[t].outcome != "passed")
         if not failing:
             v.reason = "no_test_fails"
             return v
@@ -517,7 +520,8 @@ def _try(m: Mutation, original: str, work: Path, files: list[str], base: _Baseli
             alone = runner.run(work, hidden, timeout=timeout, pytest_args=args)
             failing_alone = sorted(t for t in in_hidden
                                    if alone.tests.get(t) is None or alone.tests[t].outcome != "passed")  # fmt: skip
-            if alone.timed_out or not alone.complete or alone.errors or failing_alone != failing:
+            lost = in_hidden - set(alone.tests)
+            if alone.timed_out or not alone.complete or alone.errors or lost or failing_alone != failing:
                 v.reason = "not_reproducible"
                 return v
     finally:
@@ -547,6 +551,8 @@ def synthesize_package(
             _search(source, out, cfg, runner, tmp, result, emit)
         except TaskError as e:
             result.error = str(e)
+        except Exception as e:  # noqa: BLE001 - one package's failure must not end a run over many
+            result.error = f"{type(e).__name__}: {e}"[:500]
         result.seconds = time.monotonic() - t0
         return result
 
