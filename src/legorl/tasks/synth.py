@@ -401,6 +401,8 @@ class _Baseline:
 
 def _baseline(runner: Runner, root: Path, tests: list[str], args: list[str], srcs: list[str], cfg: SynthConfig,
               ) -> _Baseline:  # fmt: skip
+    # A file that cannot be collected (a missing dependency) is left out, not the whole suite.
+    args = [*args, "--continue-on-collection-errors"]
     traced = runner.run(
         root, tests, timeout=cfg.baseline_timeout, pytest_args=args, trace=[root / s for s in srcs]
     )
