@@ -24,7 +24,7 @@ from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
 from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
 from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
-from legorl.sandbox import BwrapSandbox
+from legorl.sandbox import BwrapSandbox, SandboxError
 from legorl.sandbox.control import RELAY_PORT
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
@@ -123,7 +123,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             sandbox = await BwrapSandbox.create(
                 workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
                 proxy_socket=ctx.proxy.unix_socket, relay_port=ctx.relay_port, hide_paths=ctx.hide_paths,
-                limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid)
+                limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid,
+                cpus=task.limits.get("cpus"))
         except Exception as e:
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0
@@ -138,9 +139,12 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             if "sandbox_killed" in plan:
                 killer = asyncio.create_task(kill_later(sandbox, random.Random(rid)))
             try:
-                facts.harness = await asyncio.wait_for(_run_harness(ctx, agent, run, plan), timeout=ctx.agent_timeout)
+                facts.harness = await asyncio.wait_for(sandbox.guard(_run_harness(ctx, agent, run, plan)),
+                                                       timeout=ctx.agent_timeout)
             except TimeoutError:
                 facts.timed_out = True
+            except SandboxError as e:  # its watchdog killed it mid-run (a limit blown, its process budget exhausted)
+                facts.sandbox_error = sandbox.violation or str(e)
             except HarnessCrashed as e:
                 facts.crashed = str(e)
             except Exception as e:
@@ -151,8 +155,10 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             facts.proxy_errors = tuple(session.errors)
             facts.proxy_calls = session.n_calls
             rollout.timings["agent_s"] = time.time() - t1
+            facts.sandbox_error = facts.sandbox_error or sandbox.violation
             try:
-                rollout.diff = await _diff(sandbox, plan)
+                if not facts.sandbox_error:
+                    rollout.diff = await _diff(sandbox, plan)
             except Exception as e:
                 facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
             await sandbox.close()

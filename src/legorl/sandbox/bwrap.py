@@ -41,6 +41,7 @@ from pathlib import Path
 
 from legorl.sandbox.client import SandboxError
 from legorl.sandbox.control import RELAY_PORT, ControlledSandbox, open_to, sandbox_dirs
+from legorl.sandbox.cpushare import CpuShare, remove_empty
 from legorl.sandbox.limits import MiB, SandboxLimits
 from legorl.sandbox.procs import alive, cmdline, kill_tree, process_tree
 from legorl.sandbox.rootfs import hidden_inside, passwd_lines, visible_paths
@@ -142,6 +143,7 @@ def bwrap_argv(
     empty_dir: Path | None = None,
     passwd_dir: Path | None = None,
     drop_to: tuple[int, int] | None = None,
+    nice: int | None = None,
 ) -> list[str]:
     limits = limits or SandboxLimits()
     argv = ["bwrap", "--tmpfs", "/"]
@@ -204,6 +206,8 @@ def bwrap_argv(
     if spec := limits.agent_arg():
         argv += ["--limits", spec]
     argv += ["--workdir", inside_workspace, "--lifeline"]
+    if nice:
+        argv += ["--nice", str(nice)]
     if drop_to is not None:
         argv += ["--uid", str(drop_to[0]), "--gid", str(drop_to[1])]
     return argv
@@ -222,6 +226,7 @@ class BwrapSandbox(ControlledSandbox):
         super().__init__(workspace, sandbox_dir, label, relay_port)
         self.proc = proc
         self.inside_workspace = inside_workspace
+        self.cpu_share: CpuShare | None = None  # its cgroup (or nice) once started; see cpushare.py
 
     @property
     def pid(self) -> int:
@@ -246,6 +251,8 @@ class BwrapSandbox(ControlledSandbox):
         inside_workspace: str = INSIDE_WORKSPACE,
         visible_paths: Sequence[Path | str] = (),
         sandbox_uid: int | None = None,
+        cpus: float | None = None,
+        cpu_share: bool = True,
     ) -> BwrapSandbox:
         """Start bwrap and return once the in-sandbox agent accepts commands.
 
@@ -264,6 +271,7 @@ class BwrapSandbox(ControlledSandbox):
         empty.mkdir(exist_ok=True)
         ids = sandbox_ids(sandbox_uid)
         passwd_dir = await _enter_as(ids, workspace, proxy_socket, sandbox_dir) if ids is not None else None
+        share = CpuShare.create(label, cpus) if cpu_share else None
         argv = bwrap_argv(
             workspace=workspace,
             ctl_dir=ctl,
@@ -280,13 +288,24 @@ class BwrapSandbox(ControlledSandbox):
             empty_dir=empty,
             passwd_dir=passwd_dir,
             drop_to=ids,
+            nice=share.nice if share is not None else None,
         )
-        proc = await _spawn(argv, sandbox_dir / "bwrap.log", start_timeout)
+        try:
+            proc = await _spawn(argv, sandbox_dir / "bwrap.log", start_timeout)
+        except BaseException:
+            if share is not None:
+                share.remove()
+            raise
         (sandbox_dir / "label.json").write_text(  # what reap_orphans finds after a killed run
             json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time(), "uid": ids and ids[0]})
         )
         box = cls(proc, workspace, sandbox_dir, label, relay_port, inside_workspace)
+        box.cpu_share = share
         await box._until_ready(start_timeout)
+        if share is not None and share.path is not None and not share.attach(process_tree(proc.pid)):
+            share.remove()  # removed under us (another run's reap, between mkdir and here): once more
+            box.cpu_share = share = CpuShare.create(label, cpus)
+            share.attach(process_tree(proc.pid))
         box._watch(limits, proc.pid, memory=True)
         return box
 
@@ -308,12 +327,17 @@ class BwrapSandbox(ControlledSandbox):
             raise SandboxError(f"sandbox {self.label} did not start (bwrap exit {exit_code}): {tail}")
 
     async def _stop(self) -> None:
-        """Kill bwrap and everything under it."""
+        """Kill bwrap and everything under it, then remove its cgroup."""
         kill_tree(self.proc.pid)
         try:
             await asyncio.wait_for(self.proc.wait(), 10)
         except TimeoutError:
             pass
+        share = self.cpu_share
+        for _ in range(50):  # the last processes leave the cgroup a moment after bwrap is reaped
+            if share is None or share.remove():
+                break
+            await asyncio.sleep(0.01)
 
 
 async def _enter_as(
@@ -391,4 +415,5 @@ async def reap_orphans(sandboxes_root: Path, label: str | None = None) -> list[i
         deadline = time.monotonic() + 5
         while alive(pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+    remove_empty()  # the cgroups of sandboxes gone with an earlier run
     return killed

@@ -10,7 +10,7 @@ import base64
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ class ExecResult:
     output: str
     returncode: int
     timed_out: bool = False
+    ended: list[str] = field(default_factory=list)  # names of the processes a timeout ended (its tree)
 
 
 def connect_unix(path: Path, timeout: float | None) -> socket.socket:
@@ -59,9 +60,11 @@ def exec_request(
 
 
 def parse_exec_reply(reply: dict[str, Any]) -> ExecResult:
+    if reply.get("failure"):  # the sandbox can no longer run anything (its process budget is exhausted)
+        raise SandboxError(f"sandbox failed: {reply['failure']}")
     if "error" in reply:
         raise SandboxError(f"sandbox agent rejected the request: {reply['error']}")
-    return ExecResult(reply["output"], int(reply["returncode"]), bool(reply["timed_out"]))
+    return ExecResult(reply["output"], int(reply["returncode"]), bool(reply["timed_out"]), list(reply.get("ended", ())))
 
 
 class SandboxClient:

@@ -10,9 +10,9 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from legorl.config import SandboxConfig
 from legorl.sandbox.client import (
@@ -26,6 +26,7 @@ from legorl.sandbox.client import (
 from legorl.sandbox.limits import MiB, SandboxLimits
 from legorl.sandbox.watchdog import WATCHDOG, Watch
 
+T = TypeVar("T")
 READ_LIMIT = 64 * 1024 * 1024  # one JSON reply line may carry a large command output
 RELAY_PORT = SandboxConfig.model_fields["relay_port"].default  # sandbox.relay_port's default
 
@@ -91,6 +92,7 @@ class ControlledSandbox:
         self.control_socket = sandbox_dir / "ctl" / "control.sock"
         self.watch: Watch | None = None
         self._closed = False
+        self._violated: asyncio.Event | None = None  # set (on the creating loop) once the watchdog kills it
 
     @property
     def violation(self) -> str:
@@ -131,9 +133,36 @@ class ControlledSandbox:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
     ) -> ExecResult:
-        """Run ``bash -c command`` (cwd: the workspace); on timeout the command's process group is killed."""
+        """Run ``bash -c command`` (cwd: the workspace). On timeout, or when this call is cancelled, everything
+        the command started is killed (its whole tree, daemons included) and the output says what was ended.
+        A sandbox whose process budget is exhausted (no command can start) is killed: SandboxError with why."""
         reply = await self._request(exec_request(command, timeout, cwd, env), timeout + REPLY_SLACK_S)
+        if reply.get("failure") and self.watch is not None:
+            self.watch.kill(reply["failure"])
+            raise self._dead("")
         return parse_exec_reply(reply)
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` (the harness's run); if the watchdog kills the sandbox first (a limit blown, the
+        process budget exhausted), cancel it and raise SandboxError with the reason, rather than let it go
+        on issuing commands that can only fail."""
+        task = asyncio.ensure_future(work)
+        if self._violated is None:
+            return await task
+        waiter = asyncio.ensure_future(self._violated.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            waiter.cancel()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise self._dead("")
 
     async def write_file(self, path: str, content: str | bytes) -> None:
         data = content.encode() if isinstance(content, str) else content
@@ -153,7 +182,10 @@ class ControlledSandbox:
         self, limits: SandboxLimits, pid: int, *, memory: bool, on_kill: Callable[[], None] | None = None
     ) -> None:
         """Put the started sandbox under the watchdog: its workspace size, its lifetime (counted from
-        now) and, where the backend itself does not bound it (``memory``), its processes' memory."""
+        now), what its agent reports (``ctl/failure``) and, where the backend itself does not bound it
+        (``memory``), its processes' memory."""
+        loop = asyncio.get_running_loop()
+        violated = self._violated = asyncio.Event()
         self.watch = WATCHDOG.add(
             Watch(
                 pid=pid,
@@ -163,6 +195,8 @@ class ControlledSandbox:
                 workspace_bytes=limits.workspace_mb and limits.workspace_mb * MiB,
                 deadline=time.monotonic() + limits.lifetime_s if limits.lifetime_s else None,
                 on_kill=on_kill,
+                failure_file=self.sandbox_dir / "ctl" / "failure",
+                on_violation=lambda: loop.call_soon_threadsafe(violated.set),
             )
         )
 

@@ -14,7 +14,15 @@ host waits on that pipe instead of polling) and only then imports the rest.
 
 Usage: python3 -I -S sandbox_agent.py CONTROL_SOCKET [--relay PORT PROXY_SOCKET]
            [--limits nproc=N,data=BYTES,as=BYTES,cpu=S,fsize=BYTES,nofile=N] [--workdir DIR]
-           [--uid UID --gid GID] [--lifeline]
+           [--uid UID --gid GID] [--lifeline] [--nice N]
+
+Each command runs as ``bash -c`` below a shim of its own: a forked child of the agent that is a
+child subreaper (PR_SET_CHILD_SUBREAPER), so everything the command starts (background jobs,
+double forks, ``setsid`` daemons) stays below it and is reaped by it. When the command times out
+or its client hangs up, that whole tree is killed, and only that tree: concurrent commands each
+have their own. The reply says what was ended. When the process budget (RLIMIT_NPROC) is so full
+that no command can start, the sandbox declares itself exhausted: every later request gets that
+reason, and so does the host's watchdog (``<control dir>/failure``), which ends the sandbox.
 
 With ``--lifeline`` the agent exits when its stdin reaches end-of-file: the host keeps the write
 end of that pipe and never writes, so the sandbox ends with the host process however it dies,
@@ -34,12 +42,19 @@ import sys
 MAX_OUTPUT = 2_000_000  # bytes kept per command (head + tail) so one reply stays bounded
 MAX_READ = 64 * 1024 * 1024
 CPU_LIMIT = [0]  # RLIMIT_CPU applied to each command (0: none)
+NPROC_LIMIT = [0]  # RLIMIT_NPROC of the sandbox (0: none)
 WORKDIR = ["/workspace"]
+FAILURE = [""]  # why this sandbox can no longer run commands (sticky; see _declare)
+STATUS_FD = [-1]  # <control dir>/failure, opened before dropping privileges: the host's watchdog reads it
+LOCK = _thread.allocate_lock()
+PRCTL = [None]  # libc prctl (ctypes), resolved once; False where unavailable
+LINGERING = set()  # shims of finished commands whose background processes still run (reaped once they exit)
+FORK_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # waits before a fork refused for the process budget is retried
 
 
 def parse_args(argv: list) -> dict:
     opts = {"control": argv[0], "relay": None, "limits": "", "workdir": "/workspace", "uid": "", "gid": "",
-            "lifeline": False}
+            "lifeline": False, "nice": ""}
     i = 1
     while i < len(argv):
         arg = argv[i]
@@ -49,7 +64,7 @@ def parse_args(argv: list) -> dict:
         elif arg == "--lifeline":
             opts["lifeline"] = True
             i += 1
-        elif arg in ("--limits", "--workdir", "--uid", "--gid"):
+        elif arg in ("--limits", "--workdir", "--uid", "--gid", "--nice"):
             opts[arg[2:]] = argv[i + 1]
             i += 2
         else:
@@ -73,34 +88,314 @@ def apply_limits(spec: str) -> None:
         if key == "cpu":
             CPU_LIMIT[0] = int(value)
             continue
+        if key == "nproc":
+            NPROC_LIMIT[0] = int(value)
         which = names[key]
         _, hard = resource.getrlimit(which)
         v = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
         resource.setrlimit(which, (v, v))  # hard too: nothing inside can raise it back
 
 
-def _wait_ready(pid: int, timeout: float) -> bool:
-    """True once pid has exited (not reaped), False after timeout."""
+def _prctl():
+    """libc's prctl, resolved once in the agent (a forked shim must not load anything)."""
+    if PRCTL[0] is None:
+        with LOCK:
+            if PRCTL[0] is None:
+                try:
+                    import ctypes
+
+                    PRCTL[0] = ctypes.CDLL(None, use_errno=True).prctl
+                except (ImportError, OSError, AttributeError):
+                    PRCTL[0] = False
+    return PRCTL[0]
+
+
+def _scan() -> dict:
+    """Every process of the sandbox (its own pid namespace): pid -> (ppid, state, threads, name)."""
+    import os
+
+    procs = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        head, _, tail = stat.rpartition(b")")
+        fields = tail.split()
+        procs[int(name)] = (int(fields[1]), fields[0], int(fields[17]), head.partition(b"(")[2].decode(errors="replace"))
+    return procs
+
+
+def _below(root: int, procs: dict) -> list:
+    """The descendants of root (parents first)."""
+    children = {}
+    for pid, (ppid, *_) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def _tasks(procs: dict) -> int:
+    """Processes and threads counted against this sandbox's RLIMIT_NPROC (those of its uid)."""
+    import os
+
+    uid, n = os.getuid(), 0
+    for pid, (_, state, threads, _) in procs.items():
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                n += threads
+        except OSError:
+            pass
+    return n
+
+
+def _at_limit(procs: dict | None = None) -> bool:
+    """Whether the process budget is (about) full: a fork bomb at the limit keeps the count just below it
+    as its forks fail and its processes exit, so within a tenth of it (one scan, or three a moment apart)."""
+    import time
+
+    limit = NPROC_LIMIT[0]
+    if not limit:
+        return False
+    near = limit - max(2, limit // 10)
+    for i in range(1 if procs is not None else 3):
+        if _tasks(procs if procs is not None else _scan()) >= near:
+            return True
+        if i < 2:
+            time.sleep(0.002)
+    return False
+
+
+def _names(names: list) -> str:
+    """'sleep, sleep, python', or 'bash x60, sleep x3' for many."""
+    if len(names) <= 6:
+        return ", ".join(names)
+    counts = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in top[:6]) + (", ..." if len(top) > 6 else "")
+
+
+def _end_tree(shim: int, budget: float = 10.0) -> tuple:
+    """SIGKILL everything below the command's shim until nothing is left; (names ended, limit reached).
+
+    The shim is a child subreaper: whatever the command started (background jobs, double forks,
+    ``setsid`` daemons) stays below it, and what a kill orphans is reparented to it. Rounds repeat
+    while a fork bomb still has children in flight.
+    """
+    import os
+    import signal
+    import time
+
+    ended, at_limit = {}, False
+    deadline = time.monotonic() + budget
+    first = True
+    while time.monotonic() < deadline:
+        procs = _scan()
+        if first:
+            at_limit, first = _at_limit(procs), False
+        live = [p for p in _below(shim, procs) if procs[p][1] != b"Z"]
+        if not live:
+            break
+        for pid in live:
+            ended.setdefault(pid, procs[pid][3])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.002)  # let the killed die before looking again
+    return list(ended.values()), at_limit
+
+
+def _declare(reason: str) -> str:
+    """This sandbox can no longer run commands: say so once, to every later request and to the host's
+    watchdog (through the status file), which ends the sandbox and the rollout with this reason."""
+    import os
+
+    with LOCK:
+        if not FAILURE[0]:
+            FAILURE[0] = reason
+            if STATUS_FD[0] >= 0:
+                try:
+                    os.write(STATUS_FD[0], reason.encode() + b"\n")
+                except OSError:
+                    pass
+    return FAILURE[0]
+
+
+def _exhausted(what: str) -> str:
+    procs = _scan()
+    names = [procs[p][3] for p in procs if p != 1]
+    limit = f" of {NPROC_LIMIT[0]}" if NPROC_LIMIT[0] else ""
+    return _declare(f"process limit exhausted: fork bomb? {_tasks(procs)}{limit} processes and threads of the "
+                    f"sandbox in use ({_names(names)}); {what}")
+
+
+def _reap_lingering() -> None:
+    import os
+
+    for pid in list(LINGERING):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                LINGERING.discard(pid)
+        except ChildProcessError:
+            LINGERING.discard(pid)
+
+
+def _which(name: str, env: dict) -> str:
+    import os
+
+    for d in (env.get("PATH") or "/usr/bin:/bin").split(":"):
+        path = os.path.join(d or ".", name)
+        if os.access(path, os.X_OK):
+            return path
+    return "/bin/" + name
+
+
+def _children_left() -> bool:
+    """Whether this process still has children (reaping those that already exited)."""
+    import os
+
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return True
+        except ChildProcessError:
+            return False
+
+
+def _shim(bash: str, argv: list, env: dict, cwd: str, out_fd: int, wfd: int) -> None:
+    """The forked child between the agent and ``bash -c``: a child subreaper that reaps everything the
+    command leaves behind. It reports on ``wfd``: ``S`` once bash runs (``E <errno> <message>`` if it
+    cannot start), ``X <wait status> <1 if processes remain>`` when bash exits, and end-of-file once
+    it has no child left. Never returns."""
+    import os
+    import signal
+
+    code = 0
+    try:
+        try:
+            if PRCTL[0]:
+                PRCTL[0](36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the command reparent here
+                PRCTL[0](15, b"legorl-shim", 0, 0, 0)  # PR_SET_NAME: what `ps` shows for it
+            null = os.open("/dev/null", os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(out_fd, 2)
+            os.closerange(3, wfd)  # nothing of the agent (sockets, other commands' pipes) stays open here
+            os.closerange(wfd + 1, 1 << 16)
+            os.chdir(cwd)
+            bash_pid = os.posix_spawn(bash, argv, env, setsid=True, setsigmask=(),
+                                      setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+        except OSError as e:
+            os.write(wfd, f"E {e.errno or 0} {e}\n".encode())
+            code = 127
+            return
+        os.write(wfd, b"S\n")
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if pid == bash_pid:
+                left = _children_left()
+                try:
+                    os.write(wfd, f"X {status} {int(left)}\n".encode())
+                except OSError:
+                    pass
+                if not left:
+                    break
+    finally:
+        os._exit(code)
+
+
+def _start(command: str, env: dict, cwd: str, out_fd: int) -> tuple:
+    """Start the command below its shim: (shim pid, read end of its report pipe). A fork or spawn refused
+    for the process budget (EAGAIN) is retried for a moment, then the sandbox is declared exhausted."""
+    import os
+    import time
+
+    _prctl()
+    bash = _which("bash", env)
+    argv = ["bash", "-c", command]
+    for wait in (*FORK_RETRY_S, None):
+        _reap_lingering()  # a finished shim counts against the budget until it is reaped
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except BlockingIOError:  # EAGAIN: RLIMIT_NPROC
+            os.close(r)
+            os.close(w)
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        else:
+            if pid == 0:
+                _shim(bash, argv, env, cwd, out_fd, w)
+            os.close(w)
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = os.read(r, 1)
+                if not chunk:
+                    break
+                line += chunk
+            if line == b"S\n":
+                return pid, r
+            os.close(r)
+            os.waitpid(pid, 0)
+            errno, _, message = line.decode(errors="replace")[2:].strip().partition(" ")
+            if errno != "11":
+                raise StartFailed(message or "the command's supervisor died")
+        if wait is None:
+            raise SandboxExhausted(_exhausted("no command can start"))
+        time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+class SandboxExhausted(Exception):
+    """No command can start: the sandbox's process budget is full."""
+
+
+class StartFailed(Exception):
+    """bash could not be started (a bad cwd, ...)."""
+
+
+def _read_report(rfd: int, buf: bytes) -> tuple:
+    """(buffer, eof) after one read of the shim's report pipe."""
+    import os
+
+    data = os.read(rfd, 4096)
+    return buf + data, not data
+
+
+def _wait_gone(shim: int, rfd: int, buf: bytes, eof: bool, budget: float) -> bytes:
+    """Wait until the shim has reaped everything and exited (its pipe at end-of-file), then reap it."""
     import os
     import select
+    import signal
 
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): poll the way Popen.wait(timeout) does
-        import time
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-            time.sleep(0.002)
-        return False
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout * 1000))))
-    finally:
-        os.close(fd)
+    poller = select.poll()
+    poller.register(rfd, select.POLLIN)
+    while not eof and poller.poll(int(budget * 1000)):
+        buf, eof = _read_report(rfd, buf)
+    if not eof:  # stuck (stopped by the command?): it goes too
+        try:
+            os.kill(shim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.waitpid(shim, 0)
+    return buf
 
 
 def _read_trimmed(f) -> str:
@@ -119,46 +414,83 @@ def _read_trimmed(f) -> str:
     return head.decode("utf-8", errors="replace") + note + tail.decode("utf-8", errors="replace")
 
 
-def run_command(req: dict) -> dict:
+def run_command(req: dict, conn_fd: int = -1) -> dict:
     import os
-    import signal
-    import subprocess
+    import select
+    import time
 
     timeout = float(req.get("timeout", 30))
+    if FAILURE[0]:
+        return {"error": FAILURE[0], "failure": FAILURE[0]}
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     cwd = req.get("cwd") or WORKDIR[0]
     command = req["command"]
-    if CPU_LIMIT[0]:  # a bash builtin: no extra process, and no preexec_fn (which would rule out vfork)
+    if CPU_LIMIT[0]:  # a bash builtin: no extra process
         command = f"ulimit -t {CPU_LIMIT[0]} 2>/dev/null; {command}"
     # Output goes to an anonymous memory file, not a pipe: a background child that keeps a pipe open
     # must not block the reply after the command itself finished, and a full /tmp must not eat it.
     with open(os.memfd_create("legorl-out"), "w+b") as out:
+        t0 = time.monotonic()
         try:
-            proc = subprocess.Popen(
-                ["bash", "-c", command],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as e:
+            shim, rfd = _start(command, env, cwd, out.fileno())
+        except SandboxExhausted as e:
+            return {"error": str(e), "failure": str(e)}
+        except (OSError, StartFailed) as e:
             return {"output": f"failed to start command: {e}", "returncode": 127, "timed_out": False}
-        # Block on a pidfd with the timeout (Popen.wait(timeout) would poll with growing sleeps).
-        timed_out = not _wait_ready(proc.pid, timeout)
-        if timed_out:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            returncode = -1
-        else:
-            returncode = proc.wait()
-        output = _read_trimmed(out)
-    return {"output": output, "returncode": returncode, "timed_out": timed_out}
+        try:
+            poller = select.poll()
+            poller.register(rfd, select.POLLIN)
+            if conn_fd >= 0:  # the client hanging up cancels the command
+                poller.register(conn_fd, select.POLLRDHUP)
+            buf, eof, ended_by = b"", False, ""
+            while b"\n" not in buf and not eof:
+                left = t0 + timeout - time.monotonic()
+                events = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
+                if not events:
+                    ended_by = "timed out"
+                    break
+                for fd, _ in events:
+                    if fd == rfd:
+                        buf, eof = _read_report(rfd, buf)
+                    else:
+                        ended_by = "cancelled"
+                if ended_by:
+                    break
+            note, ended, returncode = "", [], -1
+            if ended_by:
+                ended, at_limit = _end_tree(shim)
+                buf = _wait_gone(shim, rfd, buf, eof, 5.0)
+                note = f"[legorl] {ended_by} after {timeout:g} s" if ended_by == "timed out" else \
+                    f"[legorl] {ended_by} after {time.monotonic() - t0:.1f} s"
+                note += f"; ended {len(ended)} process{'es' if len(ended) != 1 else ''}"
+                note += f": {_names(ended)}" if ended else ""
+                if at_limit:
+                    note += f" (the sandbox's process limit of {NPROC_LIMIT[0]} was reached: fork bomb?)"
+            else:
+                kind, *rest = buf.split(b"\n", 1)[0].decode().split(" ", 2)
+                if kind == "X":
+                    returncode = os.waitstatus_to_exitcode(int(rest[0]))
+                    if rest[1] == "1" and _at_limit():  # its leftovers hold the whole process budget
+                        ended, _ = _end_tree(shim)
+                        note = (f"[legorl] this command's background processes exhausted the sandbox's process "
+                                f"limit of {NPROC_LIMIT[0]} (fork bomb?); ended {len(ended)}: {_names(ended)}")
+                        buf = _wait_gone(shim, rfd, buf, eof, 5.0)
+                    elif rest[1] == "1":
+                        LINGERING.add(shim)  # it reaps what the command left running; reaped when it exits
+                    else:
+                        _wait_gone(shim, rfd, buf, eof, 5.0)
+                else:  # the shim died without a report (killed from inside)
+                    _wait_gone(shim, rfd, buf, eof, 5.0)
+            output = _read_trimmed(out)
+        finally:
+            os.close(rfd)
+    if note:
+        output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"
+    reply = {"output": output, "returncode": returncode, "timed_out": ended_by == "timed out", "ended": ended}
+    if ended_by == "cancelled":
+        reply["cancelled"] = True
+    return reply
 
 
 def write_file(req: dict) -> dict:
@@ -184,12 +516,27 @@ def read_file(req: dict) -> dict:
     return {"content_b64": base64.b64encode(data).decode()}
 
 
+def ping(req: dict) -> dict:
+    return {"ok": not FAILURE[0], "failure": FAILURE[0]}
+
+
 OPS = {
     "exec": run_command,
     "write_file": write_file,
     "read_file": read_file,
-    "ping": lambda req: {"ok": True},
+    "ping": ping,
 }
+
+
+def _reply(req_line: bytes, conn_fd: int) -> dict:
+    import json
+
+    try:
+        req = json.loads(req_line)
+        op = req.get("op", "exec")
+        return run_command(req, conn_fd) if op == "exec" else OPS[op](req)
+    except Exception as e:  # noqa: BLE001 - a bad request must not kill the agent
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def serve_control(fd: int) -> None:
@@ -199,13 +546,42 @@ def serve_control(fd: int) -> None:
     conn = socket.socket(fileno=fd)
     with conn, conn.makefile("rwb") as f:
         for line in f:
+            reply = _reply(line, fd)
+            if reply.get("cancelled"):
+                break  # the client hung up: nobody to answer
+            try:
+                f.write(json.dumps(reply).encode() + b"\n")
+                f.flush()
+            except OSError:
+                break
+
+
+def serve_one_inline(fd: int) -> None:
+    """No thread could be started for this connection (the process budget is full): answer one
+    request from the accepting thread. An exec cannot start either, so it reports the sandbox exhausted."""
+    import json
+    import socket
+
+    conn = socket.socket(fileno=fd)
+    conn.settimeout(2.0)
+    try:
+        with conn, conn.makefile("rwb") as f:
+            line = f.readline()
+            if not line:
+                return
             try:
                 req = json.loads(line)
-                reply = OPS[req.get("op", "exec")](req)
-            except Exception as e:  # noqa: BLE001 - a bad request must not kill the agent
-                reply = {"error": f"{type(e).__name__}: {e}"}
+            except ValueError:
+                req = {}
+            if req.get("op", "exec") == "exec":
+                reason = _exhausted("the agent could not start a thread for a command")
+                reply = {"error": reason, "failure": reason}
+            else:
+                reply = _reply(line, -1)
             f.write(json.dumps(reply).encode() + b"\n")
             f.flush()
+    except OSError:
+        pass
 
 
 def _pump(src, dst) -> None:
@@ -258,7 +634,34 @@ def accept_loop(server, handler, *args) -> None:
             fd, _ = server._accept()
         except InterruptedError:
             continue
-        _thread.start_new_thread(handler, (fd, *args))
+        except OSError:  # EMFILE and the like: the connection waits in the backlog
+            _sleep(0.05)
+            continue
+        _start_thread(fd, handler, args)
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def _start_thread(fd: int, handler, args: tuple) -> None:
+    """A thread for the connection; while the process budget is full (a thread counts against it too)
+    retried for a moment, then the control socket answers inline and a relay connection is refused."""
+    for wait in (*FORK_RETRY_S, None):
+        try:
+            _thread.start_new_thread(handler, (fd, *args))
+            return
+        except RuntimeError:  # "can't start new thread": EAGAIN
+            if wait is None:
+                break
+            _sleep(wait)
+    if handler is serve_control:
+        serve_one_inline(fd)
+    else:
+        _exhausted("the relay could not start a thread for a model call")
+        posix.close(fd)
 
 
 def watch_lifeline() -> None:
@@ -279,13 +682,18 @@ def _warm_up() -> None:
     import json  # noqa: F401
     import os  # noqa: F401
     import select  # noqa: F401
+    import signal  # noqa: F401
     import socket  # noqa: F401
-    import subprocess  # noqa: F401
+    import time  # noqa: F401
+
+    _prctl()
 
 
 def main(argv: list) -> None:
     opts = parse_args(argv)
     WORKDIR[0] = opts["workdir"]
+    if opts["nice"]:  # no CPU share of its own (no cgroup): every process of the sandbox yields to the host's
+        posix.nice(int(opts["nice"]))
     if opts["limits"]:
         apply_limits(opts["limits"])
     if opts["relay"] is not None:
@@ -303,6 +711,11 @@ def main(argv: list) -> None:
     ctl = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     ctl.bind(control_path)
     ctl.listen(128)
+    try:  # opened before the uid drop: nothing inside can write it, the host's watchdog reads it
+        flags = posix.O_WRONLY | posix.O_CREAT | posix.O_TRUNC | posix.O_CLOEXEC
+        STATUS_FD[0] = posix.open(control_path.rpartition("/")[0] + "/failure", flags, 0o644)
+    except OSError:
+        pass
     _signal.signal(_signal.SIGTERM, lambda *_: posix._exit(0))
     if opts["uid"]:
         uid, gid = int(opts["uid"]), int(opts["gid"] or opts["uid"])

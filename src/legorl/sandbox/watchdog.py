@@ -1,4 +1,5 @@
-"""Host-side watchdog: kills a sandbox that outgrows its memory, workspace or lifetime.
+"""Host-side watchdog: kills a sandbox that outgrows its memory, workspace or lifetime, or whose agent
+reports it can no longer run commands (its process budget exhausted).
 
 One daemon thread per host process watches every live sandbox (it cannot be killed from
 inside a sandbox, unlike anything running there). Each tick it reads /proc once, sums the
@@ -63,6 +64,8 @@ class Watch:
     peak_memory_bytes: int = 0
     workspace_used_bytes: int = 0
     on_kill: Callable[[], None] | None = None  # backends whose processes are not our children (docker)
+    failure_file: Path | None = None  # where the in-sandbox agent says it can no longer run commands
+    on_violation: Callable[[], None] | None = None  # told once the sandbox is killed (the rollout's guard)
     _next_walk: float = field(default=0.0, repr=False)
 
     def kill(self, reason: str) -> None:
@@ -72,6 +75,22 @@ class Watch:
             self.on_kill()
         else:
             kill_tree(self.pid)
+        if self.on_violation is not None:
+            try:
+                self.on_violation()
+            except Exception:  # noqa: BLE001, S110 - a listener gone (its loop closed) changes nothing here
+                pass
+
+    def agent_failure(self) -> str:
+        """What the agent wrote to its failure file ("" while it has nothing to report)."""
+        if self.failure_file is None:
+            return ""
+        try:
+            if os.stat(self.failure_file).st_size == 0:
+                return ""
+            return self.failure_file.read_text(errors="replace").strip()[:2000]
+        except OSError:
+            return ""
 
 
 class Watchdog:
@@ -112,6 +131,9 @@ class Watchdog:
                 continue
             if w.deadline is not None and now > w.deadline:
                 w.kill("sandbox lifetime exceeded")
+                continue
+            if failure := w.agent_failure():  # e.g. its process budget is exhausted: no command can start
+                w.kill(failure)
                 continue
             if w.memory_bytes:
                 used = 1024 * sum(anon_kib(p) for p in process_tree(w.pid, children))
