@@ -416,7 +416,12 @@ def _baseline(runner: Runner, root: Path, tests: list[str], args: list[str], src
     bad_files = {e["nodeid"].split("::")[0] for e in (*traced.errors, *plain.errors)}
     for run in (traced, plain):
         bad_files |= {t.split("::")[0] for t, r in run.tests.items() if r.multi}
-    usable = {t for t in traced.passed & plain.passed if t.split("::")[0] not in bad_files}
+    # A parameter id holding "::" (`test_x[ldap://[::1]]`) is not mapped back from JUnit by the grader.
+    usable = {
+        t
+        for t in traced.passed & plain.passed
+        if t.split("::")[0] not in bad_files and "::" not in t.partition("[")[2]
+    }
     files = sorted({t.split("::")[0] for t in usable})
     secs: Counter = Counter()
     for t, r in plain.tests.items():
