@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from helpers import wait_until_async
 from test_proxy import BASH, Harness, check_fidelity
 
 from legorl.engine import ScriptedEngine
@@ -369,10 +370,11 @@ def test_retry_dedup_drain_and_stats(tokenizer, tmp_path):
                 body2 = {**body, "messages": [{"role": "user", "content": "again"}]}
                 async with h.proxy.paused():
                     pending = asyncio.create_task(http.post(url, json=body2))
-                    await asyncio.sleep(0.3)
-                    assert not pending.done() and engine.calls("r") == 1
+                    assert await wait_until_async(lambda: h.proxy.held == 1)  # it arrived and is held
+                    assert not pending.done() and engine.calls("r") == 1 and h.proxy.in_flight == 0
                     await engine.update_weights({})
                 await pending
+                assert h.proxy.held == 0
                 body3 = {**body2, "messages": body2["messages"] + [
                     {"role": "assistant", "content": (await pending).json()["content"]},
                     {"role": "user", "content": "go on"}]}

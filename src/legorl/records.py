@@ -30,6 +30,10 @@ class Outcome(str, enum.Enum):
 # Outcomes whose reward is meaningful for the policy (the agent did the thing).
 GRADED_OUTCOMES = frozenset({Outcome.RESOLVED, Outcome.UNRESOLVED, Outcome.MAX_TURNS})
 
+# `LLMCall.finish_reason` of a call whose client went away before its answer (docs/proxy.md): the
+# generation was cancelled, no completion tokens are kept, and it is never trained on.
+ABANDONED = "abandoned"
+
 
 @dataclass
 class SamplingParams:
@@ -74,7 +78,7 @@ class LLMCall:
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_logprobs: list[float]
-    finish_reason: str
+    finish_reason: str  # "stop" | "length" | ABANDONED (no completion: the client went away)
     weight_version: int
     completion_text: str  # decode(completion_ids): the text the answer was made from
     tool_calls: list[ToolCall] = field(default_factory=list)

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from legorl.records import GraderReport, LLMCall, Outcome, Rollout, ToolCall
+from legorl.records import ABANDONED, GraderReport, LLMCall, Outcome, Rollout, ToolCall
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -242,9 +242,11 @@ class Store:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def calls_for(self, rollout_id: str) -> list[LLMCall]:
+    def calls_for(self, rollout_id: str, abandoned: bool = False) -> list[LLMCall]:
+        """A rollout's answered calls in order (what outcomes and training read); with `abandoned`, also
+        the calls whose client went away before the answer (finish_reason ABANDONED, no completion)."""
         with self._lock:
-            return read_calls(self._conn, rollout_id)
+            return read_calls(self._conn, rollout_id, abandoned)
 
     def rollout(self, rollout_id: str, with_calls: bool = True) -> Rollout | None:
         rows = self._query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
@@ -292,10 +294,14 @@ class Store:
         by_outcome["total"] = sum(by_outcome.values())
         fid = {"checked": 0, "violations": 0, "segments": 0, "bridge_hits": 0, "drift_prevented": 0}
         examples: list[dict[str, Any]] = []
+        abandoned = 0
         for row in self._iter_rows(
             "SELECT id, rollout_id, idx, completion_ids, completion_logprobs, completion_text, parent_index,"
-            " segment_break, naive_prompt_differs FROM llm_calls ORDER BY id"
+            " segment_break, naive_prompt_differs, finish_reason FROM llm_calls ORDER BY id"
         ):
+            if row["finish_reason"] == ABANDONED:  # no completion to check: never answered, never trained
+                abandoned += 1
+                continue
             fid["checked"] += 1
             ids = blob_to_ids(row["completion_ids"])
             n_lp = len(row["completion_logprobs"] or b"") // _F32.itemsize
@@ -321,6 +327,7 @@ class Store:
             "steps": int(self._query("SELECT COUNT(*) FROM steps")[0][0]),
             "rollouts": by_outcome,
             "llm_calls": fid["checked"],
+            "abandoned_calls": abandoned,
             "fidelity": {**fid, "examples": examples},
             "integrity": self._integrity(),
             "faults": self._injected_faults(),
@@ -413,11 +420,15 @@ class Store:
 # ---- reading calls on any connection to a store file (the dashboard opens its own: monitor/db.py) --------
 
 
-def read_calls(conn: sqlite3.Connection, rollout_id: str) -> list[LLMCall]:
-    """One rollout's calls in order, token arrays included."""
+def read_calls(conn: sqlite3.Connection, rollout_id: str, abandoned: bool = True) -> list[LLMCall]:
+    """One rollout's calls in order, token arrays included; `abandoned=False` leaves out the calls whose
+    client went away before the answer (finish_reason ABANDONED: an attempt that a retry may repeat
+    under the same index, never trained)."""
     cur = conn.cursor()
     cur.row_factory = sqlite3.Row
-    rows = cur.execute(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ? ORDER BY idx, id", (rollout_id,))
+    only = "" if abandoned else " AND finish_reason IS NOT ?"
+    params = (rollout_id,) if abandoned else (rollout_id, ABANDONED)
+    rows = cur.execute(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ?{only} ORDER BY idx, id", params)
     return [_row_to_call(row) for row in rows.fetchall()]
 
 

@@ -199,7 +199,8 @@ class LocalEngine:
         return self._max_context
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start: requests, prefill tokens computed/reused, generated tokens, cache state."""
+        """Counters since start: requests, prefill tokens computed/reused, generated tokens, requests
+        cancelled by their caller (dropped while waiting or mid-generation), cache state."""
         s: dict[str, Any] = dict(self._stats)
         for key in (
             "requests",
@@ -208,6 +209,7 @@ class LocalEngine:
             "prefill_tokens_reused",
             "generated_tokens",
             "decode_steps",
+            "cancelled",
         ):
             s.setdefault(key, 0)
         s["prefill_reuse_fraction"] = s["prefill_tokens_reused"] / max(1, s["prompt_tokens"])
@@ -348,7 +350,9 @@ class LocalEngine:
                 with self._cv:
                     self._waiting.extendleft(reversed(admitted[i:]))
                 return
-            if not req.cancelled:
+            if req.cancelled:  # its caller went away while it waited: never prefilled
+                self._stats["cancelled"] += 1
+            else:
                 budget -= self._prefill(req)
 
     def _fail_all(self, error: EngineError) -> None:
@@ -466,7 +470,8 @@ class LocalEngine:
         gone = set(indices)
         for i in sorted(gone):
             r = self._active[i]
-            if r.cancelled:
+            if r.cancelled:  # its caller went away: the slot is freed, its KV is not kept
+                self._stats["cancelled"] += 1
                 continue
             routes = self.decoder.get_routes(i, r.n_cached) if self._record_routes else None
             result = GenerationResult(

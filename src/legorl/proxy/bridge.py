@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,7 @@ class CachedEncoder:
         self.tok = tokenizer
         self.max_entries = max_entries
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
         self._verify_left = verify_first
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -134,26 +136,38 @@ class CachedEncoder:
         if not self.enabled or self._split is None:
             return self.plain(text)
         parts = self._split.split(text)
-        todo = [p for p in dict.fromkeys(parts[0::2]) if p and p not in self._cache]
+        # Large prompts are encoded in worker threads (core.py) while the loop encodes others: the cache
+        # is only touched under the lock, the tokenizer runs outside it (and releases the GIL).
+        with self._lock:
+            pieces = {}
+            for p in dict.fromkeys(parts[0::2]):
+                if p:
+                    pieces[p] = self._cache.get(p)
+                    if pieces[p] is not None:
+                        self._cache.move_to_end(p)
+        todo = [p for p, got in pieces.items() if got is None]
         if todo:
-            self.misses += len(todo)
             for piece, enc in zip(todo, self._backend.encode_batch(todo, add_special_tokens=False)):
-                self._cache[piece] = enc.ids
+                pieces[piece] = enc.ids
+            with self._lock:
+                for piece in todo:
+                    self._cache[piece] = pieces[piece]
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
         ids: list[int] = []
         for i, p in enumerate(parts):
             if i % 2:
                 ids.append(self._ids[p])
             elif p:
-                ids.extend(self._cache[p])
-                self._cache.move_to_end(p)
+                ids.extend(pieces[p])
+        self.misses += len(todo)
         self.hits += len(parts) // 2 + 1 - len(todo)
-        while len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
         if self._verify_left > 0:
             self._verify_left -= 1
             if ids != self.plain(text):  # this tokenizer does not split the way we assume
                 self.enabled = False
-                self._cache.clear()
+                with self._lock:
+                    self._cache.clear()
                 return self.plain(text)
         return ids
 

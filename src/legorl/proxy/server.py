@@ -51,8 +51,10 @@ __all__ = ["MAX_BODY_BYTES", "Proxy", "ProxyError", "SamplingOverride"]
 log = logging.getLogger("legorl.proxy")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-KEEPALIVE_S = 10.0
-ANSWERS_KEPT = 16  # recent answers per session that an identical (retried) request gets back  # a stream whose completion takes longer gets SSE comments meanwhile
+KEEPALIVE_S = 10.0  # a stream whose completion takes longer gets SSE comments meanwhile
+ANSWERS_KEPT = 16  # recent answers per session that an identical (retried) request gets back
+HASH_INLINE_BYTES = 1 << 20  # larger bodies are hashed (retry key) in a worker thread: hashlib releases the GIL
+CLIENT_GONE = 499  # the status of an answer nobody reads (nginx's "client closed request"); never sent
 
 
 def _dumps(obj: Any) -> bytes:
@@ -110,6 +112,7 @@ class Proxy:
         self.keepalive_s = keepalive_s
         self._open = asyncio.Event()
         self._open.set()
+        self._held = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -154,6 +157,16 @@ class Proxy:
         }
 
     # ---- weight updates: hold new calls, let in-flight ones finish --------------------------------
+    @property
+    def held(self) -> int:
+        """Requests waiting for a weight update to end (held by `paused()`), not yet in flight."""
+        return self._held
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being answered now (from the session lock to the recorded call)."""
+        return self._in_flight
+
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
         """No call straddles a weight update: new requests wait, in-flight ones drain first."""
@@ -251,9 +264,14 @@ class Proxy:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise ProxyError(f"request body is {length} bytes; the limit is {self.max_body_bytes}", "too_large")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ProxyError(f"request body is {len(raw)} bytes; the limit is {self.max_body_bytes}", "too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body without a length is cut off at the limit, not read whole
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ProxyError(f"request body is over {self.max_body_bytes} bytes, the limit", "too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        del chunks
         try:
             return raw, json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -271,18 +289,25 @@ class Proxy:
             session = self._session(request)
             raw, body = await self._read_json(request)
             req = fmt.parse(body, request.headers)
-            key = body_key(raw)
-            if not req.stream:
-                comp = await self._answer(fmt, session, req, key)
-                return _json_response(fmt.answer(comp, req))
+            key = body_key(raw) if len(raw) <= HASH_INLINE_BYTES else await asyncio.to_thread(body_key, raw)
+            del raw, body
             task = asyncio.create_task(self._answer(fmt, session, req, key))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            done, _ = await asyncio.wait({task}, timeout=self.keepalive_s)
-            if done:
+            task.add_done_callback(_settled)
+            try:
+                # Streams answer within keepalive_s or turn into a stream of keep-alive comments meanwhile.
+                if await self._unless_gone(task, request, self.keepalive_s if req.stream else None):
+                    return Response(status_code=CLIENT_GONE)
+            except BaseException:  # this handler was cancelled (shutdown): so is its generation
+                task.cancel()
+                raise
+            if not req.stream:
+                return _json_response(fmt.answer(task.result(), req))
+            if task.done():
                 return Response(fmt.stream(task.result(), req), media_type="text/event-stream",
                                 headers={"cache-control": "no-cache"})
-            return StreamingResponse(self._late_stream(fmt, task, req), media_type="text/event-stream",
+            return StreamingResponse(self._late_stream(fmt, task, req, request), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         except ProxyError as e:
             return _json_response(fmt.error_body(e), e.status)
@@ -291,18 +316,46 @@ class Proxy:
             err = ProxyError(f"internal proxy error: {type(e).__name__}: {e}", "engine_error")
             return _json_response(fmt.error_body(err), err.status)
 
-    async def _late_stream(self, fmt: Any, task: asyncio.Task, req: ChatRequest) -> AsyncIterator[str]:
-        """A slow completion: SSE comments keep the connection alive, then the stream or its error."""
-        while not task.done():
-            yield ": keep-alive\n\n"
-            await asyncio.wait({task}, timeout=self.keepalive_s)
+    async def _unless_gone(self, task: asyncio.Task, request: Request, timeout: float | None = None) -> bool:
+        """Wait for `task` (at most `timeout` s) while watching the client's connection. True when the
+        client went away first: the task is then cancelled (the engine stops generating for it, the call
+        is recorded as abandoned) and waited for, which takes one step of the loop, not the generation."""
+        watcher = asyncio.ensure_future(_disconnected(request))
         try:
-            yield fmt.stream(task.result(), req)
-        except ProxyError as e:
-            yield fmt.stream_error(e)
+            await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone = watcher.done() and not watcher.cancelled() and not task.done()
+            watcher.cancel()
+        if gone:
+            task.cancel()
+            await asyncio.wait({task})
+        return gone
+
+    async def _late_stream(self, fmt: Any, task: asyncio.Task, req: ChatRequest,
+                           request: Request) -> AsyncIterator[str]:
+        """A slow completion: SSE comments keep the connection alive, then the stream or its error. A client
+        that disconnects meanwhile has its generation cancelled (here, or by Starlette cancelling this
+        stream when it sees the disconnect first)."""
+        try:
+            while not task.done():
+                yield ": keep-alive\n\n"
+                if await self._unless_gone(task, request, self.keepalive_s):
+                    return
+            try:
+                yield fmt.stream(task.result(), req)
+            except ProxyError as e:
+                yield fmt.stream_error(e)
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _answer(self, fmt: Any, session: Session, req: ChatRequest, key: str) -> Completion:
-        await self._open.wait()  # held while the weights are being updated
+        if not self._open.is_set():  # held while the weights are being updated
+            self._held += 1
+            try:
+                await self._open.wait()
+            finally:
+                self._held -= 1
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -335,6 +388,18 @@ class Proxy:
             self._session(request)
             _, body = await self._read_json(request)
             req = self.anthropic.parse(body, request.headers, count_only=True)
-            return _json_response({"input_tokens": self.core.bridge.count(req.messages, req.tools)})
+            return _json_response({"input_tokens": await self.core.count(req)})
         except ProxyError as e:
             return _json_response(anthropic_error_body(e), e.status)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body is read: the next ASGI message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _settled(task: asyncio.Task) -> None:
+    """A call's task is done: its outcome was read by its handler, or nobody is left to read it."""
+    if not task.cancelled():
+        task.exception()  # marks it retrieved: a client that went away leaves no "never retrieved" warning

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from legorl.records import LLMCall, Rollout, TrainingSequence
+from legorl.records import ABANDONED, LLMCall, Rollout, TrainingSequence
 
 PAD_ROUTE = -1  # same sentinel as legorl.models.routing (kept torch-free here)
 
@@ -90,6 +90,8 @@ def build_sequences(
     open_seqs: list[_Open] = []
     owner: dict[int, _Open] = {}  # call index -> the sequence that holds it
     for call in sorted(calls, key=lambda c: c.index):
+        if call.finish_reason == ABANDONED:  # never answered (the client went away): nothing sampled to train
+            continue
         _check(call)
         trained = (call.sampled_from_policy or include_unsampled) and call.index not in untrained
         n_c = len(call.completion_ids)
