@@ -180,6 +180,11 @@ def doctor() -> None:
         rows.append((mod, found, "importable" if found else f"pip install {mod}", True))
     git = shutil.which("git")
     rows.append(("git", git is not None, git or "apt-get install -y git", True))
+    from legorl.sandbox.cpushare import fallback_meaning, support
+
+    share = support()  # one busy sandbox must not take the cores from the engine and the other rollouts
+    rows.append(("sandbox CPU share", share.kind != "nice",
+                 share.detail if share.kind != "nice" else f"no cgroup: {share.detail}. {fallback_meaning()}", False))
     ray = importlib.util.find_spec("ray") is not None
     rows.append(("ray", ray, "importable (ray.address=...)" if ray else "optional: pip install 'legorl[ray]'",
                  False))

@@ -156,21 +156,11 @@ def _tasks(procs: dict) -> int:
     return n
 
 
-def _at_limit(procs: dict | None = None) -> bool:
+def _at_limit(procs: dict) -> bool:
     """Whether the process budget is (about) full: a fork bomb at the limit keeps the count just below it
-    as its forks fail and its processes exit, so within a tenth of it (one scan, or three a moment apart)."""
-    import time
-
+    as its forks fail and its processes exit, so within a tenth of it."""
     limit = NPROC_LIMIT[0]
-    if not limit:
-        return False
-    near = limit - max(2, limit // 10)
-    for i in range(1 if procs is not None else 3):
-        if _tasks(procs if procs is not None else _scan()) >= near:
-            return True
-        if i < 2:
-            time.sleep(0.002)
-    return False
+    return bool(limit) and _tasks(procs) >= limit - max(2, limit // 10)
 
 
 def _names(names: list) -> str:
@@ -240,14 +230,17 @@ def _exhausted(what: str) -> str:
 
 
 def _reap_lingering() -> None:
+    """Reap the shims of finished commands that have exited since. Under the lock, and only pids still in
+    the set: a pid there is an unreaped child, so it cannot have been reused."""
     import os
 
-    for pid in list(LINGERING):
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
+    with LOCK:
+        for pid in list(LINGERING):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    LINGERING.discard(pid)
+            except ChildProcessError:
                 LINGERING.discard(pid)
-        except ChildProcessError:
-            LINGERING.discard(pid)
 
 
 def _which(name: str, env: dict) -> str:
@@ -394,7 +387,10 @@ def _wait_gone(shim: int, rfd: int, buf: bytes, eof: bool, budget: float) -> byt
             os.kill(shim, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    os.waitpid(shim, 0)
+    try:
+        os.waitpid(shim, 0)
+    except ChildProcessError:
+        pass
     return buf
 
 
@@ -471,13 +467,9 @@ def run_command(req: dict, conn_fd: int = -1) -> dict:
                 kind, *rest = buf.split(b"\n", 1)[0].decode().split(" ", 2)
                 if kind == "X":
                     returncode = os.waitstatus_to_exitcode(int(rest[0]))
-                    if rest[1] == "1" and _at_limit():  # its leftovers hold the whole process budget
-                        ended, _ = _end_tree(shim)
-                        note = (f"[legorl] this command's background processes exhausted the sandbox's process "
-                                f"limit of {NPROC_LIMIT[0]} (fork bomb?); ended {len(ended)}: {_names(ended)}")
-                        buf = _wait_gone(shim, rfd, buf, eof, 5.0)
-                    elif rest[1] == "1":
-                        LINGERING.add(shim)  # it reaps what the command left running; reaped when it exits
+                    if rest[1] == "1":
+                        with LOCK:  # it reaps what the command left running; reaped itself once it exits
+                            LINGERING.add(shim)
                     else:
                         _wait_gone(shim, rfd, buf, eof, 5.0)
                 else:  # the shim died without a report (killed from inside)
