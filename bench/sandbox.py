@@ -10,9 +10,15 @@ In one run, on the same machine:
 * the floor: the same command as a bare ``bash -c`` subprocess of this process;
 * the peer: mini-swe-agent's ``BubblewrapEnvironment`` (a new bwrap per command, no limits);
 * 32 sandboxes started at once: wall time until all are ready, per-sandbox start p50/p99, one
-  command in each at once, teardown of all.
+  command in each at once, teardown of all;
+* a noisy neighbour: exec latency of a quiet sandbox while another runs a busy loop on every core,
+  against its own latency alone, with each sandbox's CPU share (``cpushare.py``) and without;
+* a fork bomb under a low process limit whose command times out: what was ended, how long the
+  clean-up took, and whether the next command in that sandbox succeeds.
 
-Targets: per-command exec within 2x of the bare subprocess; start p50 under 20 ms.
+Targets: per-command exec within 2x of the bare subprocess; start p50 under 20 ms; the quiet
+sandbox's exec p50 next to a busy neighbour at most 1.5x its p50 alone; after a fork bomb's command
+times out, the next command succeeds.
 ``--write`` puts the table in BENCHMARKS.md, section "## Sandbox".
 """
 
@@ -33,8 +39,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from legorl.sandbox.bwrap import BwrapSandbox, bwrap_argv, host_python, sandbox_ids, sandbox_path_env
+from legorl.sandbox import SandboxLimits
+from legorl.sandbox.bwrap import (
+    BwrapSandbox,
+    bwrap_argv,
+    host_python,
+    process_tree,
+    sandbox_ids,
+    sandbox_path_env,
+)
 from legorl.sandbox.client import SandboxClient
+from legorl.sandbox.cpushare import support
+from legorl.sandbox.procs import cmdline
 from legorl.tasks import generate_tasks, prepare_repo
 
 COMMAND = "echo hi"
@@ -157,6 +173,75 @@ async def bench_concurrent(base: Path, repo_src: Path, k: int) -> dict[str, floa
     return {"all_ready": all_ready, "starts": [s for _, s in started], "exec_wall": exec_wall, "teardown": teardown}
 
 
+async def _execs(box: BwrapSandbox, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = await box.exec(COMMAND)
+        out.append(time.perf_counter() - t)
+        assert r.output == "hi\n"
+    return out
+
+
+async def _busy(box: BwrapSandbox) -> asyncio.Task:
+    """A busy loop on every core in ``box`` (one command, running until cancelled), once all spin."""
+    n = os.cpu_count() or 1
+    task = asyncio.create_task(box.exec(" ".join(["(while :; do :; done) &"] * n) + " wait", timeout=600))
+    deadline = time.monotonic() + 30
+    while sum(cmdline(p)[:2] == ["bash", "-c"] for p in process_tree(box.pid)) < n + 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the busy loops did not start")
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def bench_neighbour(base: Path, repo_src: Path, n: int) -> dict[str, list[float]]:
+    """Exec of a quiet sandbox alone and next to a busy one, with CPU shares and without (same run)."""
+    boxes = {}
+    for name, share in (("quiet", True), ("busy", True), ("quiet_plain", False), ("busy_plain", False)):
+        shutil.copytree(repo_src, base / "nb" / name / "ws", symlinks=True)
+        boxes[name] = await BwrapSandbox.create(workspace=base / "nb" / name / "ws", sandbox_dir=base / "nb" / name / "sb",
+                                                label="bench", cpu_share=share)  # fmt: skip
+    out: dict[str, list[float]] = {"alone": [], "alone_plain": [], "busy": [], "busy_plain": []}
+    try:
+        await _execs(boxes["quiet"], 10)
+        await _execs(boxes["quiet_plain"], 10)
+        half = max(1, n // 2)
+        out["alone"] += await _execs(boxes["quiet"], half)
+        out["alone_plain"] += await _execs(boxes["quiet_plain"], half)
+        for quiet, busy, key in (("quiet", "busy", "busy"), ("quiet_plain", "busy_plain", "busy_plain")):
+            spin = await _busy(boxes[busy])
+            out[key] = await _execs(boxes[quiet], n)
+            spin.cancel()  # the client hangs up: the agent ends the command's whole tree
+            await asyncio.gather(spin, return_exceptions=True)
+            while any(cmdline(p)[:2] == ["bash", "-c"] for p in process_tree(boxes[busy].pid)):
+                await asyncio.sleep(0.01)
+        out["alone"] += await _execs(boxes["quiet"], n - half)
+        out["alone_plain"] += await _execs(boxes["quiet_plain"], n - half)
+    finally:
+        await asyncio.gather(*(b.close() for b in boxes.values()))
+    return out
+
+
+async def bench_fork_bomb(base: Path, repo_src: Path, processes: int = 64, timeout: float = 3.0) -> dict:
+    """A fork bomb under a low process limit, its command timed out: clean-up time and the next command."""
+    shutil.copytree(repo_src, base / "bomb" / "ws", symlinks=True)
+    box = await BwrapSandbox.create(workspace=base / "bomb" / "ws", sandbox_dir=base / "bomb" / "sb", label="bench",
+                                    limits=SandboxLimits(processes=processes, cpu_seconds=60))  # fmt: skip
+    try:
+        t = time.perf_counter()
+        r = await box.exec("bomb() { bomb | bomb & }; bomb; sleep 100", timeout=timeout)
+        wall = time.perf_counter() - t
+        t = time.perf_counter()
+        nxt = await box.exec(COMMAND)
+        next_ms = (time.perf_counter() - t) * 1000
+    finally:
+        await box.close()
+    return {"timed_out": r.timed_out, "ended": len(r.ended), "cleanup_ms": (wall - timeout) * 1000,
+            "note": r.output.strip().splitlines()[-1], "next_ok": nxt.output == "hi\n" and nxt.returncode == 0,
+            "next_ms": next_ms, "processes": processes, "timeout": timeout}
+
+
 def write_section(text: str) -> None:
     path = ROOT / "BENCHMARKS.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -179,6 +264,8 @@ async def run(args: argparse.Namespace) -> str:
         bare, async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
         peer = bench_peer(base, repo_src, args.peer_commands)
         conc = await bench_concurrent(base / "conc", repo_src, args.concurrent)
+        nb = await bench_neighbour(base, repo_src, args.neighbour_commands)
+        bomb = await bench_fork_bomb(base, repo_src)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     floor = pct(bare, 50)
@@ -201,6 +288,15 @@ async def run(args: argparse.Namespace) -> str:
         row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
         row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]
             f"all ready after {conc['all_ready'] * 1000:.0f} ms"),
+        row("quiet sandbox exec, alone", nb["alone"], floor, "own CPU share (cgroup)"),
+        row(f"quiet sandbox exec, neighbour busy on all {os.cpu_count()} cores", nb["busy"], floor,
+            f"**{pct(nb['busy'], 50) / pct(nb['alone'], 50):.2f}x** its p50 alone"),
+        row("  the same without CPU shares", nb["busy_plain"], floor,
+            f"{pct(nb['busy_plain'], 50) / pct(nb['alone_plain'], 50):.2f}x its p50 alone "
+            f"({pct(nb['alone_plain'], 50) * 1000:.2f} ms)"),
+        (f"| fork bomb (process limit {bomb['processes']}) timed out at {bomb['timeout']:g} s: clean-up | 1 | "
+         f"{bomb['cleanup_ms']:.0f} | | | {bomb['ended']} processes ended; next command "
+         f"{'succeeded' if bomb['next_ok'] else 'FAILED'} ({bomb['next_ms']:.0f} ms) |"),
     ]
     exec_ratio = pct(async_lat, 50) / floor
     sync_ratio = pct(sync_lat, 50) / floor
@@ -211,12 +307,22 @@ async def run(args: argparse.Namespace) -> str:
     )  # fmt: skip
     bwrap_version = args.bwrap_version
     exec_met = "met" if max(exec_ratio, sync_ratio) <= 2 else "NOT met"
+    nb_ratio = pct(nb["busy"], 50) / pct(nb["alone"], 50)
+    plain_ratio = pct(nb["busy_plain"], 50) / pct(nb["alone_plain"], 50)
+    share = support()
     notes = [
         (f"- Per-command exec: **{exec_ratio:.2f}x** the bare subprocess (async API), {sync_ratio:.2f}x through "
          f"the blocking client (target <= 2x: {exec_met}).{peer_line}"),
         (f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
          f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in "
          f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms."),
+        (f"- Noisy neighbour: next to a sandbox running a busy loop on every core, a quiet sandbox's exec p50 is "
+         f"**{nb_ratio:.2f}x** its p50 alone with each sandbox's CPU share (target <= 1.5x: "
+         f"{'met' if nb_ratio <= 1.5 else 'NOT met'}), {plain_ratio:.2f}x without ({share.kind}: "
+         f"{share.detail.split(':')[0]}). A fork bomb's command timed out after {bomb['timeout']:g} s: "
+         f"{bomb['ended']} processes ended in {bomb['cleanup_ms']:.0f} ms, and the next command "
+         f"{'succeeded (target: met)' if bomb['next_ok'] else 'FAILED (target: NOT met)'}; its reply ends with "
+         f"`{bomb['note']}`."),
         ("- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
          "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
          "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
@@ -231,7 +337,7 @@ async def run(args: argparse.Namespace) -> str:
          f"{load()} after. The machine is shared with other jobs: absolute figures move with load; ratios "
          "measured in the same run are the comparable numbers."),
         (f"- Reproduce: `python bench/sandbox.py --write` (defaults: {args.starts} starts, {args.commands} "
-         f"commands, {args.concurrent} concurrent)."),
+         f"commands, {args.concurrent} concurrent, {args.neighbour_commands} commands per neighbour phase)."),
     ]  # fmt: skip
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
@@ -242,6 +348,7 @@ def main() -> None:
     ap.add_argument("--commands", type=int, default=300, help="commands per exec measurement")
     ap.add_argument("--peer-commands", type=int, default=60, help="commands through the peer")
     ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--neighbour-commands", type=int, default=100, help="commands per noisy-neighbour phase")
     ap.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md (## Sandbox)")
     args = ap.parse_args()
     if shutil.which("bwrap") is None:

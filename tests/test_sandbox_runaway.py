@@ -230,7 +230,7 @@ def test_each_sandbox_has_its_own_cpu_share_and_a_busy_one_is_held_to_it(tmp_pat
     support = cpushare.support()
 
     async def main() -> None:
-        busy, quiet = await make(tmp_path, "busy"), await make(tmp_path, "quiet")
+        busy, quiet = await make(tmp_path, "busy"), await make(tmp_path, "quiet", cpus=0.5)
         try:
             loops = " ".join(["(while :; do :; done) &"] * n)
             task = asyncio.create_task(busy.exec(f"{loops} wait", timeout=120))
@@ -252,6 +252,10 @@ def test_each_sandbox_has_its_own_cpu_share_and_a_busy_one_is_held_to_it(tmp_pat
                 one = cpushare.V1_SHARES if support.kind == "cgroup1" else cpushare.V2_WEIGHT
                 assert int((busy.cpu_share.path / weight).read_text()) == one
                 assert int((support.root / weight).read_text()) == min(10_000, one * n)
+                if support.kind == "cgroup1":  # a task's limits.cpus caps its sandbox outright
+                    assert (quiet.cpu_share.path / "cpu.cfs_quota_us").read_text().split() == ["50000"]
+                else:
+                    assert (quiet.cpu_share.path / "cpu.max").read_text().split() == ["50000", "100000"]
             else:
                 assert all(nice_of(p) >= cpushare.NICE for p in spinning())
             task.cancel()  # the client hangs up: the command's whole tree is ended
