@@ -12,6 +12,13 @@ Added latency = a path's per-call latency minus the engine server's (p50 of each
 on multi-turn sessions); throughput = calls/s with 64 sessions calling concurrently. Every process
 (client included) shares this machine's cores, so throughput figures are for this machine only.
 
+Isolation (issue 22's target: at most 2x): a small session's latency through legorl's proxy while another
+client sends 10 MB bodies (refused as context overflow, from their length) or sends 32k-token streamed
+prompts and hangs up after 0.5 s, as a ratio to its latency with nobody else calling, in the same run.
+That proxy's engine answers small prompts at once and spends 0.1 ms per prompt token on long ones (a
+simulated prefill, 3.2 s for 32k tokens) unless cancelled, so the small session's slowdown is the
+proxy's own, and the cancellations show whether the abandoned generations stopped.
+
     .venv/bin/python bench/proxy.py            # prints the table
     .venv/bin/python bench/proxy.py --write    # and updates the "## Proxy" section of BENCHMARKS.md
 """
@@ -69,6 +76,52 @@ def fixed_engine(tokenizer: Any) -> Any:
     return FixedEngine()
 
 
+LONG_TOKENS = 32_000  # the abandoned prompt
+PACED_CONTEXT = 65_536
+PACED_FROM = 8_192  # prompts from this many tokens on cost a simulated prefill
+PREFILL_S_PER_TOKEN = 1e-4
+ABANDON_AFTER_S = 0.5
+BIG_BODY_BYTES = 10_000_000
+
+
+def paced_engine(tokenizer: Any, stats_path: Path) -> Any:
+    """The fixed engine, plus a simulated prefill on long prompts that stops when cancelled; what happened to
+    the long ones goes to `stats_path` (the bench reads it)."""
+    base = fixed_engine(tokenizer)
+
+    class PacedEngine:
+        weight_version = 0
+
+        def __init__(self) -> None:
+            self.stats: dict[str, Any] = {"long": 0, "cancelled": 0, "finished": 0, "cancelled_after_s": []}
+
+        async def generate(self, prompt_ids: list[int], params: Any, *, rollout_id: str = "") -> Any:
+            if len(prompt_ids) >= PACED_FROM:
+                self.stats["long"] += 1
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.sleep(len(prompt_ids) * PREFILL_S_PER_TOKEN)
+                except asyncio.CancelledError:
+                    self.stats["cancelled"] += 1
+                    self.stats["cancelled_after_s"].append(time.perf_counter() - t0)
+                    stats_path.write_text(json.dumps(self.stats))
+                    raise
+                self.stats["finished"] += 1
+                stats_path.write_text(json.dumps(self.stats))
+            return await base.generate(prompt_ids, params)
+
+        def max_context(self) -> int:
+            return PACED_CONTEXT
+
+        async def update_weights(self, state_dict: Any) -> int:
+            return 0
+
+        async def close(self) -> None:
+            return None
+
+    return PacedEngine()
+
+
 def load_tokenizer(cache: Path) -> Any:
     from legorl.models import build_tokenizer
 
@@ -108,13 +161,14 @@ async def serve_engine(port: int, cache: Path) -> None:
                                         lifespan="off", backlog=2048)).serve()
 
 
-async def serve_legorl(port: int, cache: Path, store_path: Path) -> None:
+async def serve_legorl(port: int, cache: Path, store_path: Path, paced: bool = False) -> None:
     from legorl.proxy.server import Proxy, SamplingOverride
     from legorl.store import Store
 
     tok = load_tokenizer(cache)
     store = Store(store_path)
-    proxy = Proxy(fixed_engine(tok), tok, sampling=SamplingOverride(max_tokens=64), model_name=MODEL,
+    engine = paced_engine(tok, store_path.with_suffix(".engine.json")) if paced else fixed_engine(tok)
+    proxy = Proxy(engine, tok, sampling=SamplingOverride(max_tokens=64), model_name=MODEL,
                   on_call=store.add_call, accept_new_sessions=True)
     await proxy.start("127.0.0.1", port)
     await asyncio.Event().wait()
@@ -189,6 +243,136 @@ async def throughput(port: int, path_of: Any, headers: dict[str, str], tag: str,
     t0 = time.perf_counter()
     await asyncio.gather(*(session(port, path_of(f"{tag}-{i}"), headers, turns, lat) for i in range(concurrency)))
     return len(lat) / (time.perf_counter() - t0), lat
+
+
+def long_text(tok: Any, n_tokens: int, seed: int) -> str:
+    """Code-like text of about `n_tokens` tokens (checked with the tokenizer), different for each seed."""
+    import random
+
+    rnd = random.Random(seed)
+    words = ["def", "return", "self", "import", "value", "tests", "parse", "config", "error", "result"]
+    def line() -> str:
+        return " ".join(rnd.choice(words) + str(rnd.randint(0, 999)) for _ in range(8)) + "\n"
+
+    text = "".join(line() for _ in range(200))
+    per_char = len(tok.encode(text, add_special_tokens=False)) / len(text)
+    return "".join(line() for _ in range(int(n_tokens / per_char / len(text) * 200)))
+
+
+def chat_path(session_id: str) -> str:
+    return f"/s/{session_id}/v1/chat/completions"
+
+
+def disturb(port: int, cache: Path) -> None:
+    """The misbehaving client, in a process of its own (as another harness would be): reads `big` or
+    `abandon K` lines on stdin, does it once, answers a JSON line."""
+    tok = load_tokenizer(cache)
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "lorem ipsum " * (
+        BIG_BODY_BYTES // 12)}]}).encode()
+    longs = [json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": long_text(
+        tok, LONG_TOKENS, seed)}]}).encode() for seed in range(5)]
+
+    async def big_body() -> dict[str, Any]:
+        conn = Conn(port, {})
+        try:
+            t0 = time.perf_counter()
+            status, data = await conn.post(chat_path("iso-big"), big)
+            if status != 400 or b"context_length_exceeded" not in data:
+                raise RuntimeError(f"a 10 MB body: HTTP {status} {data[:200]!r}")
+            return {"refusal_s": time.perf_counter() - t0}
+        finally:
+            conn.close()
+
+    async def abandon(k: int) -> dict[str, Any]:
+        body = longs[k]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write((f"POST {chat_path(f'iso-long-{k}')} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        await writer.drain()
+        await asyncio.sleep(ABANDON_AFTER_S)
+        writer.close()
+        return {}
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        out = asyncio.run(big_body() if cmd[0] == "big" else abandon(int(cmd[1])))
+        print(json.dumps(out), flush=True)
+
+
+async def isolation(port: int, cache: Path, turns: int, stats_path: Path) -> dict[str, float]:
+    """A small session's latency alone, then while another client sends a 10 MB body, then while another
+    client sends a 32k-token streamed prompt and hangs up; 5 rounds of the three, interleaved."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--cache", str(cache)]
+    proc = await asyncio.create_subprocess_exec(*me, "--disturb", "--port", str(port), stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    if (await proc.stdout.readline()).strip() != b"ready":
+        raise RuntimeError("the disturbing client did not start")
+    refusals: list[float] = []
+
+    async def command(cmd: str) -> None:
+        proc.stdin.write(cmd.encode() + b"\n")  # type: ignore[union-attr]
+        await proc.stdin.drain()  # type: ignore[union-attr]
+        out = json.loads(await proc.stdout.readline())  # type: ignore[union-attr]
+        if "refusal_s" in out:
+            refusals.append(out["refusal_s"])
+        await asyncio.sleep(0.2)  # what follows the disturbance (a late cancellation) counts too
+
+    async def small(lat: list[float], busy: asyncio.Future, tag: str) -> None:
+        i = 0
+        while not busy.done():
+            await session(port, chat_path(f"iso-{tag}-{i}"), {}, turns, lat)
+            i += 1
+
+    lat: dict[str, list[float]] = {"alone": [], "big_body": [], "abandon": []}
+
+    async def phase(name: str, work: Any) -> None:
+        busy = asyncio.ensure_future(work)
+        await asyncio.gather(busy, small(lat[name], busy, f"{name}{len(lat[name])}"))
+
+    try:
+        await phase("alone", asyncio.sleep(1.0))  # warm-up
+        lat["alone"].clear()
+        for k in range(5):  # interleaved, so load changes on a shared machine hit every phase alike
+            await phase("alone", asyncio.sleep(1.0))
+            await phase("big_body", command("big"))
+            await phase("abandon", command(f"abandon {k}"))
+    finally:
+        proc.stdin.close()
+        await proc.wait()
+    await asyncio.sleep(0.5)
+    engine = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    alone = statistics.median(lat["alone"])
+    out = {"alone_p50_ms": alone * 1e3, "alone_calls": len(lat["alone"]),
+           "big_body_refusal_ms": statistics.median(refusals) * 1e3,
+           "long_prompts": engine.get("long", 0), "long_cancelled": engine.get("cancelled", 0),
+           "long_finished": engine.get("finished", 0),
+           "cancelled_after_s": statistics.median(engine.get("cancelled_after_s") or [0.0])}
+    for name in ("big_body", "abandon"):
+        out[f"{name}_p50_ms"] = statistics.median(lat[name]) * 1e3
+        out[f"{name}_max_ms"] = max(lat[name]) * 1e3
+        out[f"{name}_ratio"] = statistics.median(lat[name]) / alone
+        out[f"{name}_calls"] = len(lat[name])
+    return out
+
+
+def isolation_table(r: dict[str, float]) -> str:
+    alone = r["alone_p50_ms"]
+    big = (f"| sends a 10 MB body (5 times) | {r['big_body_p50_ms']:.2f} | **{r['big_body_ratio']:.2f}** | "
+           f"{r['big_body_max_ms']:.1f} | refused (400 context_length_exceeded, no tokenizer call) in "
+           f"{r['big_body_refusal_ms']:.0f} ms p50, upload included |")
+    gone = (f"| sends a 32k-token streamed prompt, hangs up after {ABANDON_AFTER_S} s (5 times) | "
+            f"{r['abandon_p50_ms']:.2f} | **{r['abandon_ratio']:.2f}** | {r['abandon_max_ms']:.1f} | "
+            f"{5 - r['long_prompts']} cancelled while tokenized, {r['long_cancelled']} of {r['long_prompts']} "
+            f"generations cancelled ({r['cancelled_after_s']:.2f} s into their "
+            f"{LONG_TOKENS * PREFILL_S_PER_TOKEN:.1f} s), {r['long_finished']} finished |")
+    return "\n".join([
+        "| while another client ... | small session p50 ms | x alone | max ms | the other client's requests |",
+        "|---|---|---|---|---|",
+        f"| (nothing: alone) | {alone:.2f} | 1.00 | | |",
+        big, gone,
+    ])
 
 
 def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
@@ -318,7 +502,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="concurrent sessions (throughput)")
     ap.add_argument("--no-litellm", action="store_true")
     ap.add_argument("--write", action="store_true", help="update the '## Proxy' section of BENCHMARKS.md")
-    ap.add_argument("--serve", choices=["engine", "legorl"], help=argparse.SUPPRESS)
+    ap.add_argument("--isolation-only", action="store_true", help="only the isolation measurement (printed)")
+    ap.add_argument("--serve", choices=["engine", "legorl", "legorl-paced"], help=argparse.SUPPRESS)
+    ap.add_argument("--disturb", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, default=ROOT / ".pytest_cache" / "legorl")
     ap.add_argument("--store", type=Path, help=argparse.SUPPRESS)
@@ -326,20 +512,36 @@ def main() -> None:
     if a.serve == "engine":
         asyncio.run(serve_engine(a.port, a.cache))
         return
-    if a.serve == "legorl":
-        asyncio.run(serve_legorl(a.port, a.cache, a.store))
+    if a.disturb:
+        disturb(a.port, a.cache)
+        return
+    if a.serve in ("legorl", "legorl-paced"):
+        asyncio.run(serve_legorl(a.port, a.cache, a.store, paced=a.serve == "legorl-paced"))
         return
 
     load_tokenizer(a.cache)  # build once before the servers start
     load_start = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="legorl-bench-proxy-"))
-    ports = {"engine": free_port(), "legorl": free_port(), "litellm": free_port()}
+    ports = {"engine": free_port(), "legorl": free_port(), "litellm": free_port(), "paced": free_port()}
     me = [sys.executable, str(Path(__file__).resolve()), "--cache", str(a.cache)]
+    paced_store = tmp / "paced.sqlite"
     procs: dict[str, subprocess.Popen | None] = {
-        "engine": subprocess.Popen([*me, "--serve", "engine", "--port", str(ports["engine"])], start_new_session=True),
-        "legorl": subprocess.Popen([*me, "--serve", "legorl", "--port", str(ports["legorl"]),
-                                    "--store", str(tmp / "store.sqlite")], start_new_session=True),
+        "paced": subprocess.Popen([*me, "--serve", "legorl-paced", "--port", str(ports["paced"]),
+                                   "--store", str(paced_store)], start_new_session=True),
     }
+    if a.isolation_only:
+        try:
+            wait_port(ports["paced"], procs["paced"], "paced")  # type: ignore[arg-type]
+            iso = asyncio.run(isolation(ports["paced"], a.cache, a.turns, paced_store.with_suffix(".engine.json")))
+        finally:
+            stop(procs["paced"])
+        print(json.dumps({k: round(v, 3) for k, v in iso.items()}))
+        print(isolation_table(iso))
+        return
+    procs["engine"] = subprocess.Popen([*me, "--serve", "engine", "--port", str(ports["engine"])],
+                                       start_new_session=True)
+    procs["legorl"] = subprocess.Popen([*me, "--serve", "legorl", "--port", str(ports["legorl"]),
+                                        "--store", str(tmp / "store.sqlite")], start_new_session=True)
     if not a.no_litellm:
         procs["litellm"] = start_litellm(ports["litellm"], ports["engine"], tmp)
     results: dict[str, dict[str, float]] = {}
@@ -347,6 +549,12 @@ def main() -> None:
         for name, proc in procs.items():
             if proc is not None:
                 wait_port(ports[name], proc, name)
+        paced = procs.pop("paced")
+        try:
+            iso = asyncio.run(isolation(ports["paced"], a.cache, a.turns, paced_store.with_suffix(".engine.json")))
+        finally:
+            stop(paced)  # before the other measurements: it would only add load
+        print("isolation", json.dumps({k: round(v, 3) for k, v in iso.items()}), flush=True)
         paths = {
             "engine": (lambda s: "/v1/chat/completions", {}),
             "legorl": (lambda s: f"/s/{s}/v1/chat/completions", {}),
@@ -409,7 +617,14 @@ def main() -> None:
                  f"{cpu['engine_cpu_ms']:.2f} ms, legorl's call path {cpu['legorl_cpu_ms']:.2f} ms: "
                  f"**{added_cpu:.2f} ms added per call**.")
     table = "\n".join(lines)
-    print(table + ratio)
+    target = (f"Target (p50 added < 1 ms, < 1/10 of LiteLLM's): the proxy's own work is {added_cpu:.2f} ms of CPU "
+              "per call")
+    if "litellm" in results and "legorl" in results:
+        target += (f" and its added p50 is 1/{a_t / max(a_l, 1e-9):.0f} of LiteLLM's; the wall-clock added p50 "
+                   f"({a_l:.1f} ms) includes waiting for a core when the machine is loaded")
+    target += ".\n"
+    iso_table = isolation_table(iso)
+    print(table + ratio + "\n" + target + "\n" + iso_table)
     if a.write:
         from importlib.metadata import version
 
@@ -421,7 +636,12 @@ def main() -> None:
             f"the last) for latency, {a.concurrency} concurrent sessions for throughput; a fixed 12-token "
             "engine reply so the proxy's own cost dominates. Added latency = path p50/p99 minus the engine "
             "server's. legorl records every call to SQLite before answering.\n\n"
-            f"{table}\n{ratio}\n"
+            f"{table}\n{ratio}\n{target}\n"
+            "Isolation (target: at most 2x): a small session's latency through legorl's proxy while another client "
+            f"sends 10 MB bodies or hangs up on 32k-token streamed prompts, against its latency alone ({iso['alone_calls']}"
+            " calls), interleaved in one run; that proxy's engine spends 0.1 ms per prompt token on long prompts "
+            "(a simulated prefill) unless cancelled.\n\n"
+            f"{iso_table}\n\n"
             f"Machine: {machine}; litellm {version('litellm')} (one worker). Figures move with the machine's "
             "load; compare ratios within one run.\n\n"
             "Reproduce: `.venv/bin/pip install 'litellm[proxy]' && .venv/bin/python bench/proxy.py --write`\n")

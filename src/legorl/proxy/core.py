@@ -37,10 +37,11 @@ from legorl.records import ABANDONED, GenerationResult, LLMCall, SamplingParams
 log = logging.getLogger("legorl.proxy")
 
 TEXTS_KEPT = 4
-# Requests with more message text than this (characters) are rendered and tokenized in a worker thread:
-# the tokenizer releases the GIL, so other sessions are served meanwhile. Smaller ones (nearly every call,
-# their pieces mostly cached) stay on the loop, where they cost less than a thread hop.
-INLINE_CHARS = 1 << 17
+# Requests with more message text than this (characters) are rendered and tokenized in a worker thread
+# (the tokenizer releases the GIL), so other sessions are served meanwhile: text not seen before costs about
+# 1 ms per kB to tokenize on a busy machine. Smaller ones stay on the loop, where they cost less than the
+# thread hop (~0.2 ms).
+INLINE_CHARS = 1 << 13
 # Message text beyond this many characters per token of context is probably too long: its tokens are
 # counted piecewise (stopping past the context) before the prompt is built. Text is ~3-4 characters per
 # token, so prompts that fit rarely pay for the count.
@@ -89,7 +90,7 @@ class CallCore:
             texts = _verbatim_texts(req.messages)
             if limit is not None:
                 await self._refuse_if_too_long(session, req, texts, limit)
-            if sum(map(len, texts)) > INLINE_CHARS:  # a large prompt: render and tokenize off the loop
+            if _chars(req.messages) > INLINE_CHARS:  # a large prompt: render and tokenize off the loop
                 bridged = await asyncio.to_thread(self.bridge.build, req.messages, req.tools, session.history,
                                                   tools_key)
             else:
@@ -145,7 +146,7 @@ class CallCore:
         engine = self.engine
         if hasattr(engine, "max_context") and not getattr(engine, "takes_messages", False):
             await self._refuse_if_too_long(None, req, texts, engine.max_context())
-        if sum(map(len, texts)) > INLINE_CHARS:
+        if _chars(req.messages) > INLINE_CHARS:
             return await asyncio.to_thread(self.bridge.count, req.messages, req.tools)
         return self.bridge.count(req.messages, req.tools)
 
@@ -283,6 +284,11 @@ def _verbatim_texts(messages: list[dict[str, Any]]) -> list[str]:
     """The text of the system, user and tool messages: what a chat template renders verbatim (assistant
     text may be trimmed or have its reasoning dropped). The prompt holds at least these tokens."""
     return [content_text(m.get("content")) for m in messages if m.get("role") in ("system", "user", "tool")]
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of every message's text (what rendering and tokenizing a prompt cost scales with)."""
+    return sum(len(content_text(m.get("content"))) for m in messages)
 
 
 def _overflow_message(wire_format: str, n_prompt: int, limit: int | None, e: Exception | None,

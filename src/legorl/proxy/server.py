@@ -264,14 +264,11 @@ class Proxy:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise ProxyError(f"request body is {length} bytes; the limit is {self.max_body_bytes}", "too_large")
-        chunks, size = [], 0
+        raw = bytearray()  # grown chunk by chunk: no copy of the whole body in one step of the loop
         async for chunk in request.stream():  # a body without a length is cut off at the limit, not read whole
-            size += len(chunk)
-            if size > self.max_body_bytes:
+            if len(raw) + len(chunk) > self.max_body_bytes:
                 raise ProxyError(f"request body is over {self.max_body_bytes} bytes, the limit", "too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        del chunks
+            raw += chunk
         try:
             return raw, json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
