@@ -10,7 +10,9 @@ from legorl.config import ConfigError, load_config
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["sandbox.kind=docker"], ["sandbox.kind", "supported value is bwrap"]),
+    (["sandbox.kind=lxc"], ["sandbox.kind", "bwrap", "docker", "'lxc'"]),
+    (["sandbox.docker_host=unix:///run/podman/podman.sock"], ["sandbox.docker_host", "not honoured by sandbox.kind bwrap"]),
+    (["sandbox.image=my/image:1"], ["sandbox.image", "not honoured by sandbox.kind bwrap"]),
     (["engine.urls=[http://gpu1:8000]"], ["engine.urls", "not honoured by engine.kind local"]),
     (["engine.checkpoint_dir=/shared"], ["engine.checkpoint_dir", "engine.kind local"]),
     (["engine.kind=vllm"], ["engine.urls is empty"]),
@@ -52,6 +54,13 @@ def test_ray_only_keys_and_their_backends() -> None:
                            "engine.urls=[http://gpu1:8000]"])
     with pytest.raises(ConfigError, match="proxy.port is not honoured with ray.address"):
         load_config(None, ["ray.address=local", "proxy.port=8000"])
+
+
+def test_docker_sandbox_keys_load() -> None:
+    cfg = load_config(None, ["sandbox.kind=docker", "sandbox.docker_host=unix:///run/podman/podman.sock",
+                             "sandbox.image=my/image:1"])
+    assert (cfg.sandbox.kind, cfg.sandbox.docker_host, cfg.sandbox.image) == (
+        "docker", "unix:///run/podman/podman.sock", "my/image:1")
 
 
 def test_keys_their_backend_honours_still_load() -> None:

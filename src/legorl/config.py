@@ -133,22 +133,33 @@ class SandboxLimits:
 
 
 class SandboxConfig(_Section):
-    # The only backend a run builds. The Docker sandbox (sandbox/docker.py) is used from Python for now.
-    kind: Literal["bwrap"] = "bwrap"
+    # The backend every sandbox of a run is made with (rollouts, grading, validation): sandbox/factory.py.
+    kind: Literal["bwrap", "docker"] = "bwrap"
     command_timeout: float = Field(20.0, gt=0)
     relay_port: int = Field(18000, gt=0, le=65535)
     # Resource limits per sandbox (processes, memory_mb, cpu_seconds, file_size_mb, open_files,
     # workspace_mb, tmp_mb, address_space_mb); unset keys keep legorl's defaults (docs/sandbox.md).
     limits: dict[str, float | None] = Field(default_factory=dict)
     uid: int | None = None  # a root driver runs each sandbox as its own unprivileged uid; 0 = stay root
+    # docker only: the image (a task's own `image` wins; never pulled) and the engine (None: DOCKER_HOST or
+    # the docker CLI's default; podman: unix:///run/podman/podman.sock). scripts/sandbox-image.sh builds both.
+    image: str = "legorl/debian-python:bookworm"
+    docker_host: str | None = None
 
     @field_validator("kind", mode="before")
     @classmethod
     def _buildable(cls, v: Any) -> Any:
-        if v != "bwrap":
-            raise ValueError(f"a run builds bubblewrap sandboxes only: the supported value is bwrap, not {v!r}; "
-                             "the Docker sandbox is used from Python for now (docs/sandbox.md)")
+        if v not in ("bwrap", "docker"):
+            raise ValueError(f"the sandbox backends are bwrap (bubblewrap) and docker (a Docker API engine: Docker "
+                             f"or podman), not {v!r} (docs/sandbox.md)")
         return v
+
+    @model_validator(mode="after")
+    def _honoured(self) -> SandboxConfig:
+        for key in _changed(self, "image", "docker_host") if self.kind != "docker" else []:
+            raise ValueError(f"sandbox.{key} is not honoured by sandbox.kind {self.kind}: it configures containers "
+                             "(sandbox.kind docker)")
+        return self
 
     @field_validator("limits")
     @classmethod

@@ -49,11 +49,11 @@ from legorl.rollout.faults import FaultyEngine
 from legorl.rollout.faults import enabled as faults_enabled
 from legorl.rollout.outcomes import resolve_policies
 from legorl.rollout.scheduler import GroupRunner
-from legorl.sandbox import reap_orphans
+from legorl.rollout.teacher import Slip, scripted_teacher
+from legorl.sandbox import reap_sandboxes
 from legorl.store import Store
 from legorl.tasks import Task, builtin_splits
 from legorl.tasks.loaders import load_tasks as load_task_spec
-from legorl.rollout.teacher import Slip, scripted_teacher
 from legorl.train.advantages import group_advantages
 from legorl.train.schedule import LRSchedule
 from legorl.train.sequences import build_sequences, merge_stats
@@ -131,7 +131,7 @@ class Driver:
         # Built first: a harness switch it cannot honour fails before anything starts.
         self.harnesses = {} if ray_mode else make_harnesses(cfg, self.run_dir / "logs")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        await reap_orphans(self.run_dir / "sandboxes")  # leftovers of a killed earlier run
+        await reap_sandboxes(cfg.sandbox, self.run_dir / "sandboxes", self.label)  # a killed earlier run's
         if cfg.engine.torch_threads:
             torch.set_num_threads(cfg.engine.torch_threads)
         torch.manual_seed(cfg.run.seed)
@@ -236,7 +236,7 @@ class Driver:
                 await closer()
             except Exception as e:  # keep closing the rest
                 console.print(f"[yellow]while shutting down: {type(e).__name__}: {e}")
-        await reap_orphans(self.run_dir / "sandboxes")
+        await reap_sandboxes(self.cfg.sandbox, self.run_dir / "sandboxes", self.label)
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     # ---- one step -------------------------------------------------------------------------------

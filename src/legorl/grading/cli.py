@@ -24,6 +24,28 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+SandboxOpt = Annotated[str, typer.Option("--sandbox", help="sandbox backend: bwrap or docker (sandbox.kind)")]
+ImageOpt = Annotated[str | None, typer.Option("--image", help="docker: the image (default sandbox.image's)")]
+DockerHostOpt = Annotated[str | None, typer.Option(
+    "--docker-host", help="docker: the engine, e.g. unix:///run/podman/podman.sock (default DOCKER_HOST)")]
+
+
+def _sandbox_config(kind: str, image: str | None, docker_host: str | None):  # -> SandboxConfig
+    """The sandbox section these commands make their sandboxes with; an unusable backend fails here, clearly."""
+    from pydantic import ValidationError
+
+    from legorl.config import SandboxConfig
+    from legorl.sandbox.factory import sandbox_unavailable
+
+    try:
+        cfg = SandboxConfig(kind=kind, **({"image": image} if image else {}), docker_host=docker_host)
+    except ValidationError as e:
+        _fail(f"--sandbox: {e.errors()[0]['msg']}")
+    if cfg.kind == "docker" and (reason := sandbox_unavailable(cfg)):
+        _fail(f"--sandbox docker: {reason}")
+    return cfg
+
+
 def grade_command(
     tasks: Annotated[str, typer.Option("--tasks", help="a .jsonl file, a Harbor task dir, builtin or builtin:N")],
     instance: Annotated[str, typer.Option("--instance", help="instance_id of the task to grade")],
@@ -31,6 +53,9 @@ def grade_command(
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds for the test command")] = 120.0,
     artifacts: Annotated[Path | None, typer.Option("--artifacts", help="dir for junit.xml and report.json")] = None,
+    sandbox: SandboxOpt = "bwrap",
+    image: ImageOpt = None,
+    docker_host: DockerHostOpt = None,
 ) -> None:
     """Grade PATCH for one task in a fresh sandbox; exit 0 when resolved, 1 when not, 2 on errors."""
     from legorl.grading.grader import grade
@@ -46,11 +71,13 @@ def grade_command(
     if task is None:
         ids = [t.instance_id for t in all_tasks]
         _fail(f"no task {instance!r} in {tasks} ({len(ids)} tasks, e.g. {ids[:3]})")
+    box_cfg = _sandbox_config(sandbox, image, docker_host)
     diff = sys.stdin.read() if str(patch) == "-" else patch.read_text(encoding="utf-8", errors="replace")
     hide = [Path(tasks).resolve().parent] if Path(tasks).exists() else []
     with tempfile.TemporaryDirectory(prefix="legorl-grade-") as work:
         report = asyncio.run(
-            grade(task, diff, work_dir=Path(work), timeout=timeout, hide_paths=hide, artifacts_dir=artifacts)
+            grade(task, diff, work_dir=Path(work), timeout=timeout, hide_paths=hide, artifacts_dir=artifacts,
+                  sandbox=box_cfg)
         )
     out = {
         "instance_id": task.instance_id,
@@ -93,6 +120,9 @@ def validate_command(
     canary: Annotated[list[str] | None, typer.Option("--canary", help="only these canaries")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds per test command")] = 120.0,
     concurrency: Annotated[int, typer.Option("--concurrency", help="gradings at once per task")] = 2,
+    sandbox: SandboxOpt = "bwrap",
+    image: ImageOpt = None,
+    docker_host: DockerHostOpt = None,
 ) -> None:
     """Per task: the gold patch must resolve, the empty patch must not, and every adversarial canary
     (conftest hook, test edit, stdout forgery, syntax error, exit-status rewrite, reward-file write,
@@ -116,6 +146,7 @@ def validate_command(
             _fail(f"none of {instance} in {source}")
     if canary and (unknown := sorted(set(canary) - set(ALL_CANARIES))):
         _fail(f"unknown canaries {unknown}; known: {list(ALL_CANARIES)}")
+    box_cfg = _sandbox_config(sandbox, image, docker_host)
     hide = [Path(source).resolve() if Path(source).is_dir() else Path(source).resolve().parent] if (
         Path(source).exists()) else []
 
@@ -126,12 +157,12 @@ def validate_command(
     with tempfile.TemporaryDirectory(prefix="legorl-validate-") as work:
         results = asyncio.run(validate_tasks(
             tasks, Path(work), timeout=timeout, hide_paths=hide, canaries=tuple(canary) if canary else None,
-            concurrency=concurrency, on_result=progress,
+            concurrency=concurrency, on_result=progress, sandbox=box_cfg,
         ))  # fmt: skip
     names: list[str] = []
     for res in results:
         names += [c.name for c in res.checks if c.name not in names]
-    table = Table(title=f"legorl tasks validate {source}")
+    table = Table(title=f"legorl tasks validate {source} ({box_cfg.kind} sandboxes)")
     table.add_column("task", no_wrap=True)
     for n in names:
         table.add_column(SHORT.get(n, n), no_wrap=True)

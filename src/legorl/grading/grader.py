@@ -28,14 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from legorl.config import SandboxConfig
 from legorl.grading.junit import parse_junit_text, to_junit_xml
 from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
 from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer, StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
-from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.base import Sandbox
 from legorl.sandbox.client import ExecResult
+from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
@@ -161,7 +163,7 @@ def _materialize_tests_dir(task: Task, dest: Path) -> None:
             os.chmod(os.path.join(dirpath, name), 0o444 if not name.endswith(".sh") else 0o555)
 
 
-async def _install_hidden_tests(box: BwrapSandbox, task: Task, base: str) -> str | None:
+async def _install_hidden_tests(box: Sandbox, task: Task, base: str) -> str | None:
     """Write the in-workspace hidden tests over whatever is there; returns an error message on failure."""
     ws = box.inside_workspace
     for rel, content in task.hidden_files.items():
@@ -217,15 +219,17 @@ async def grade(
     limits: SandboxLimits | None = None,
     artifacts_dir: Path | None = None,
     label: str | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> GraderReport:
     """Grade ``diff`` for ``task``. Never raises; ``work_dir`` must be a private host dir.
 
     ``timeout`` bounds the test command; ``limits`` / ``memory_mb`` bound the grading sandbox
     (its lifetime defaults to the timeout plus set-up room); ``artifacts_dir`` receives the
     verifier-owned ``junit.xml`` and a full ``report.json`` (applied and dropped diff parts);
-    ``keep`` leaves the work dir for debugging; ``label`` tags the grading sandbox (reaping).
+    ``keep`` leaves the work dir for debugging; ``label`` tags the grading sandbox (reaping);
+    ``sandbox`` is the run's sandbox section (its backend; default bwrap).
     """
-    g = _Grading(task, Path(work_dir) / f"grade-{secrets.token_hex(6)}")
+    g = _Grading(task, Path(work_dir) / f"grade-{secrets.token_hex(6)}", sandbox)
     try:
         base = await g.pristine_sources(diff)
         limits = _limits(task, timeout, limits, memory_mb)
@@ -274,11 +278,12 @@ class _TestRun:
 class _Grading:
     """One grading, step by step; each step fills ``report`` and raises _Stop when the verdict is in."""
 
-    def __init__(self, task: Task, work: Path) -> None:
+    def __init__(self, task: Task, work: Path, sandbox: SandboxConfig | None = None) -> None:
         self.task = task
         self.work = work
         self.repo = work / "repo"
-        self.box: BwrapSandbox | None = None
+        self.sandbox_cfg = sandbox
+        self.box: Sandbox | None = None
         self.report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
         self.filtered: FilteredDiff | None = None
         self.junit_xml = ""
@@ -316,7 +321,8 @@ class _Grading:
         if task.tests_dir:
             _materialize_tests_dir(task, self.work / "tests")
             ro_binds[task.tests_dir] = self.work / "tests"
-        self.box = await BwrapSandbox.create(
+        self.box = await create_sandbox(
+            self.sandbox_cfg,
             workspace=self.repo,
             sandbox_dir=self.work / "sandbox",
             label=label or f"grade-{task.instance_id}",
@@ -324,6 +330,7 @@ class _Grading:
             ro_binds=ro_binds,
             limits=limits,
             inside_workspace=task.workdir,
+            image=task.image,
         )
 
     async def run_task_setup(self, timeout: float) -> None:

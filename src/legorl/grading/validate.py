@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.config import SandboxConfig
 from legorl.grading.canaries import AGENT_CANARIES, PATCH_CANARIES, CanaryContext
 from legorl.grading.diff import workspace_diff
 from legorl.grading.grader import grade
 from legorl.records import GraderReport, Outcome
-from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox.factory import create_sandbox
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
 
@@ -85,7 +86,8 @@ echo "FOUND:${{found:-nothing}}"
 
 
 async def hidden_test_lookup(
-    task: Task, work: Path, hide_paths: list[Path], visible_paths: tuple[Path, ...] = ()
+    task: Task, work: Path, hide_paths: list[Path], visible_paths: tuple[Path, ...] = (),
+    sandbox: SandboxConfig | None = None,
 ) -> Check:
     """Run a search for the hidden tests inside an agent sandbox prepared like a rollout's
     (``visible_paths``: extra host dirs the rollouts' sandboxes show, e.g. toolchains)."""
@@ -94,9 +96,9 @@ async def hidden_test_lookup(
     markers = hidden_markers(task, ws)
     if not markers:
         return Check("hidden_test_lookup", True, "no distinctive hidden-test lines to look for")
-    box = await BwrapSandbox.create(
-        workspace=ws, sandbox_dir=work / "lookup-sb", label=f"validate-{task.instance_id}",
-        hide_paths=hide_paths, inside_workspace=task.workdir, visible_paths=visible_paths,
+    box = await create_sandbox(
+        sandbox, workspace=ws, sandbox_dir=work / "lookup-sb", label=f"validate-{task.instance_id}",
+        hide_paths=hide_paths, inside_workspace=task.workdir, visible_paths=visible_paths, image=task.image,
     )  # fmt: skip
     try:
         await box.write_file("/tmp/.markers", "\n".join(markers) + "\n")
@@ -109,13 +111,14 @@ async def hidden_test_lookup(
     return Check("hidden_test_lookup", found == "nothing", "not found" if found == "nothing" else f"found: {found}")
 
 
-async def solution_diff(task: Task, work: Path, hide_paths: list[Path], timeout: float = 600) -> str:
+async def solution_diff(task: Task, work: Path, hide_paths: list[Path], timeout: float = 600,
+                        sandbox: SandboxConfig | None = None) -> str:
     """Run a Harbor/terminal-bench solution script in an agent sandbox; its workspace diff is the gold patch."""
     ws = work / "solution-ws"
     base = await asyncio.to_thread(prepare_repo, task, ws)
-    box = await BwrapSandbox.create(
-        workspace=ws, sandbox_dir=work / "solution-sb", label=f"validate-{task.instance_id}",
-        hide_paths=hide_paths, inside_workspace=task.workdir,
+    box = await create_sandbox(
+        sandbox, workspace=ws, sandbox_dir=work / "solution-sb", label=f"validate-{task.instance_id}",
+        hide_paths=hide_paths, inside_workspace=task.workdir, image=task.image,
     )  # fmt: skip
     try:
         await box.write_file("/tmp/solve.sh", task.solution_script)
@@ -140,7 +143,9 @@ async def validate_task(
     hide_paths: list[Path] | None = None,
     canaries: tuple[str, ...] | None = None,
     concurrency: int = 2,
+    sandbox: SandboxConfig | None = None,
 ) -> TaskValidation:
+    """``sandbox``: the backend every check's sandboxes are made with (default bwrap)."""
     out = TaskValidation(task.instance_id)
     work = Path(tempfile.mkdtemp(prefix="validate-", dir=work_dir))
     hide = [*(hide_paths or []), work]
@@ -151,13 +156,13 @@ async def validate_task(
         ctx = CanaryContext(task, pristine)
         gold = task.patch
         if not gold and task.solution_script:
-            gold = await solution_diff(task, work, hide)
+            gold = await solution_diff(task, work, hide, sandbox=sandbox)
         jobs: list[tuple[str, Callable[[], Awaitable[Check]]]] = []
 
         def graded(name: str, diff: str, want: Outcome) -> Callable[[], Awaitable[Check]]:
             async def run() -> Check:
                 rep = await grade(task, diff, work_dir=work, timeout=timeout, hide_paths=hide,
-                                  label=f"validate-{task.instance_id}")  # fmt: skip
+                                  label=f"validate-{task.instance_id}", sandbox=sandbox)  # fmt: skip
                 ok, detail = _verdict(rep, want)
                 return Check(name, ok, detail)
 
@@ -172,7 +177,7 @@ async def validate_task(
             if name in PATCH_CANARIES:
                 jobs.append((name, graded(name, PATCH_CANARIES[name](ctx), Outcome.UNRESOLVED)))
             elif name == "hidden_test_lookup":
-                jobs.append((name, lambda: hidden_test_lookup(task, work, hide)))
+                jobs.append((name, lambda: hidden_test_lookup(task, work, hide, sandbox=sandbox)))
             else:
                 raise ValueError(f"unknown canary {name!r}")
         sem = asyncio.Semaphore(concurrency)
@@ -201,11 +206,13 @@ async def validate_tasks(
     canaries: tuple[str, ...] | None = None,
     concurrency: int = 2,
     on_result: Callable[[TaskValidation], None] | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> list[TaskValidation]:
     results = []
     for task in tasks:
         res = await validate_task(
-            task, work_dir, timeout=timeout, hide_paths=hide_paths, canaries=canaries, concurrency=concurrency
+            task, work_dir, timeout=timeout, hide_paths=hide_paths, canaries=canaries, concurrency=concurrency,
+            sandbox=sandbox,
         )
         if on_result is not None:
             on_result(res)

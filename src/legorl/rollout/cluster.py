@@ -46,7 +46,7 @@ from legorl.rollout.episode import CANCELLED_REASON, new_rollout_id, run_episode
 from legorl.rollout.faults import FaultyEngine
 from legorl.rollout.faults import enabled as faults_enabled
 from legorl.rollout.outcomes import reward_for
-from legorl.sandbox import reap_orphans
+from legorl.sandbox import reap_sandboxes
 from legorl.store import Store
 from legorl.tasks import Task
 
@@ -93,7 +93,7 @@ class RolloutWorker:
         import ray
 
         cfg = self.cfg
-        await reap_orphans(self.dir / "sandboxes")  # leftovers of a killed earlier run
+        await reap_sandboxes(cfg.sandbox, self.dir / "sandboxes", self.label)  # a killed earlier run's
         self.store = Store(self.dir / "store.sqlite")  # the worker's journal; the driver keeps the run's
         self.client = self._make_client()
         self.client.weight_version = self.weight_version
@@ -173,7 +173,7 @@ class RolloutWorker:
                 await closer()
             except Exception as e:  # keep closing the rest
                 print(f"rollout worker {self.index}: while shutting down: {type(e).__name__}: {e}")
-        await reap_orphans(self.dir / "sandboxes")
+        await reap_sandboxes(self.cfg.sandbox, self.dir / "sandboxes", self.label)
         if hasattr(self, "_sock_dir"):
             shutil.rmtree(self._sock_dir, ignore_errors=True)
         if hasattr(self, "store"):

@@ -17,15 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from legorl.config import FaultsConfig
+from legorl.config import FaultsConfig, SandboxConfig
 from legorl.grading import empty_patch_report, grade, workspace_diff
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
 from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
 from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
-from legorl.sandbox import BwrapSandbox, SandboxError
+from legorl.sandbox import Sandbox, SandboxError
 from legorl.sandbox.control import RELAY_PORT
+from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
 from legorl.tasks import Task, prepare_repo
@@ -54,6 +55,7 @@ class EpisodeContext:
     sandbox_uid: int | None = None
     relay_port: int = RELAY_PORT  # inside the sandbox, 127.0.0.1:relay_port reaches the proxy
     require_submit: bool = True  # only a submitted episode can be resolved (outcomes.decide)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the backend (kind, image, engine) of its sandboxes
 
 
 def _harness(ctx: EpisodeContext, name: str | None) -> Harness:
@@ -78,7 +80,7 @@ async def _run_harness(ctx: EpisodeContext, harness: Harness, run: HarnessRun, p
     return await harness.run(run)
 
 
-async def _diff(sandbox: BwrapSandbox, plan: FaultPlan) -> str:
+async def _diff(sandbox: Sandbox, plan: FaultPlan) -> str:
     if "disk_full" in plan:
         # Simulated at the sandbox boundary: the workspace cannot be read back, as when its disk is full.
         raise InjectedFault("injected fault: no space left on device inside the sandbox")
@@ -91,7 +93,8 @@ async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, pla
             raise InjectedFault("injected fault: the grader crashed")
         if not diff.strip():
             return empty_patch_report(task)
-        return await grade(task, diff, work_dir=work_dir, timeout=ctx.grading_timeout, hide_paths=ctx.hide_paths)
+        return await grade(task, diff, work_dir=work_dir, timeout=ctx.grading_timeout, hide_paths=ctx.hide_paths,
+                           sandbox=ctx.sandbox, label=ctx.label)
     except Exception as e:  # a grader bug must not take the step down
         return GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR, reason=f"{type(e).__name__}: {e}")
 
@@ -112,7 +115,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)
     t0 = time.time()
-    sandbox: BwrapSandbox | None = None
+    sandbox: Sandbox | None = None
     session = None
     killer: asyncio.Task | None = None
     try:
@@ -120,11 +123,11 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             if "slow_sandbox_start" in plan:
                 await asyncio.sleep(ctx.faults.slow_start_seconds)
             await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
-            sandbox = await BwrapSandbox.create(
-                workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
+            sandbox = await create_sandbox(
+                ctx.sandbox, workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
                 proxy_socket=ctx.proxy.unix_socket, relay_port=ctx.relay_port, hide_paths=ctx.hide_paths,
                 limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid,
-                cpus=task.limits.get("cpus"))
+                cpus=task.limits.get("cpus"), image=task.image)
         except Exception as e:
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0

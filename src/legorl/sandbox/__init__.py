@@ -17,7 +17,10 @@ __all__ = [
     "SandboxClient",
     "SandboxError",
     "SandboxLimits",
+    "create_sandbox",
     "reap_orphans",
+    "reap_sandboxes",
+    "sandbox_unavailable",
 ]
 
 
@@ -26,6 +29,10 @@ def __getattr__(name: str):  # lazy: the client stays importable without asyncio
         from legorl.sandbox import bwrap
 
         return getattr(bwrap, name)
+    if name in ("create_sandbox", "reap_sandboxes", "sandbox_unavailable"):
+        from legorl.sandbox import factory
+
+        return getattr(factory, name)
     if name == "DockerSandbox":
         from legorl.sandbox.docker import DockerSandbox
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from legorl.sandbox.client import ExecResult
+
+T = TypeVar("T")
 
 
 class Sandbox(Protocol):
@@ -25,5 +28,7 @@ class Sandbox(Protocol):
     async def write_file(self, path: str, content: str | bytes) -> None: ...
 
     async def read_file(self, path: str, max_bytes: int = ...) -> bytes: ...
+
+    async def guard(self, work: Awaitable[T]) -> T: ...  # await work; SandboxError if the sandbox is killed first
 
     async def close(self) -> None: ...

@@ -1,0 +1,84 @@
+"""One way to make a sandbox, whatever the backend: rollouts, grading and ``tasks validate`` all call
+``create_sandbox(cfg, ...)`` with the run's ``sandbox`` section (``kind: bwrap|docker``).
+
+The arguments are the protocol's; each backend takes what applies to it. bwrap shows the host's
+system dirs and runtimes read-only and covers ``hide_paths``; a container shows its image only,
+so ``hide_paths`` have nothing to cover there, and ``visible_paths`` become read-only binds at the
+same place. ``image`` (a task's own) overrides ``cfg.image`` on docker and is ignored by bwrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from legorl.config import SandboxConfig
+from legorl.sandbox.base import Sandbox
+from legorl.sandbox.limits import SandboxLimits
+
+__all__ = ["create_sandbox", "reap_sandboxes", "sandbox_unavailable"]
+
+
+async def create_sandbox(
+    cfg: SandboxConfig | None = None,
+    *,
+    workspace: Path,
+    sandbox_dir: Path,
+    label: str,
+    proxy_socket: Path | None = None,
+    relay_port: int | None = None,
+    hide_paths: Sequence[Path] = (),
+    limits: SandboxLimits | None = None,
+    inside_workspace: str = "/workspace",
+    env: dict[str, str] | None = None,
+    ro_binds: dict[str, Path] | None = None,
+    visible_paths: Sequence[Path | str] = (),
+    sandbox_uid: int | None = None,
+    cpus: float | None = None,
+    image: str | None = None,
+    start_timeout: float | None = None,
+) -> Sandbox:
+    """A started sandbox of ``cfg.kind`` (default: bwrap); raises SandboxError when it cannot start.
+    ``relay_port`` defaults to ``cfg.relay_port``."""
+    cfg = cfg or SandboxConfig()
+    common: dict[str, Any] = {
+        "workspace": workspace, "sandbox_dir": sandbox_dir, "label": label, "proxy_socket": proxy_socket,
+        "relay_port": cfg.relay_port if relay_port is None else relay_port, "hide_paths": hide_paths,
+        "limits": limits, "inside_workspace": inside_workspace, "env": env, "ro_binds": ro_binds,
+        "visible_paths": visible_paths, "sandbox_uid": sandbox_uid, "cpus": cpus,
+    }  # fmt: skip
+    if start_timeout is not None:
+        common["start_timeout"] = start_timeout
+    if cfg.kind == "docker":
+        from legorl.sandbox.docker import DockerSandbox
+
+        return await DockerSandbox.create(**common, image=image or cfg.image, docker_host=cfg.docker_host)
+    from legorl.sandbox.bwrap import BwrapSandbox
+
+    return await BwrapSandbox.create(**common)
+
+
+def sandbox_unavailable(cfg: SandboxConfig | None = None, image: str | None = None) -> str | None:
+    """None when sandboxes of ``cfg.kind`` can start here, else why not (for `legorl doctor` and skips)."""
+    cfg = cfg or SandboxConfig()
+    if cfg.kind == "docker":
+        from legorl.sandbox.docker import docker_unavailable
+
+        return docker_unavailable(docker_host=cfg.docker_host, image=image or cfg.image)
+    import shutil
+
+    return None if shutil.which("bwrap") else "bubblewrap is not installed (apt-get install -y bubblewrap)"
+
+
+async def reap_sandboxes(cfg: SandboxConfig | None, sandboxes_root: Path, label: str | None = None) -> list:
+    """Leftovers of a killed earlier run: the bwraps under ``sandboxes_root`` and, on docker, every container
+    labelled with the run's ``label`` (any state). Returns what was killed (pids, container ids)."""
+    from legorl.sandbox.bwrap import reap_orphans
+
+    killed: list = list(await reap_orphans(sandboxes_root))
+    if cfg is not None and cfg.kind == "docker" and label is not None:
+        from legorl.sandbox.docker import reap_docker
+
+        killed += await reap_docker(label, docker_host=cfg.docker_host)
+    return killed
