@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from helpers import wait_until_async
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -224,6 +225,38 @@ def test_serve_wire_formats(tok, ref) -> None:
     assert over.status_code == 400 and "context length" in over.json()["error"]["message"]
     assert models["data"][0]["max_model_len"] == 256
     assert upd.status_code == 400 and upd.json()["success"] is False
+
+
+@pytest.mark.parametrize("cls", [VLLMEngine, SGLangEngine])
+def test_cancelled_remote_generation_stops_on_the_server(cls, tok) -> None:
+    """A caller that gives up on a remote generation (the proxy, when its own client went away) closes
+    its request; `legorl serve` sees the disconnect and its engine drops the sequence, well before
+    max_tokens, and keeps serving."""
+    local = LocalEngine(build_model(ModelSpec(num_layers=1, seed=11, max_position_embeddings=32_768), tok), tok,
+                        stop_token_ids=[], max_batch=2)
+    server = Served(EngineServer(local, tok).app)
+    try:
+
+        async def go() -> None:
+            engine = cls([server.url])
+            try:
+                task = asyncio.create_task(engine.generate(ids(20, 5), SamplingParams(max_tokens=30_000)))
+                assert await wait_until_async(lambda: local.stats()["generated_tokens"] > 0, timeout=60)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert await wait_until_async(lambda: local.stats()["cancelled"] == 1, timeout=60)
+                assert await wait_until_async(lambda: local.stats()["active"] == 0)
+                assert local.stats()["generated_tokens"] < 30_000
+                r = await engine.generate(ids(20, 6), SamplingParams(max_tokens=3))
+                assert len(r.completion_ids) == 3
+            finally:
+                await engine.close()
+
+        run(go)
+    finally:
+        server.stop()
+        asyncio.run(local.close())
 
 
 def test_sticky_routing_least_loaded_and_failover(tok) -> None:

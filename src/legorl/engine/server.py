@@ -51,6 +51,16 @@ class BadRequest(Exception):
     pass
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its generation finished (the generation was cancelled)."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body is read: the next ASGI message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -210,8 +220,23 @@ class EngineServer:
             return self.tokenizer.encode(value, add_special_tokens=False)
         return _int_list(value, name)
 
-    async def _run(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
-        return await self.engine.generate(prompt, params)
+    async def _run(self, prompt: list[int], params: SamplingParams, request: Request) -> GenerationResult:
+        """Generate while watching the client: one that disconnects first (a proxy whose own client went
+        away closes its request) has its generation cancelled, so the engine drops it at its next step."""
+        task = asyncio.ensure_future(self.engine.generate(prompt, params))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled (shutdown): so is the generation
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            raise _ClientGone
+        return task.result()
 
     def _failed(self, e: BadRequest | EngineError, overflow: str) -> JSONResponse:
         """A failed request's error: 400 for bad input or a prompt too long (``overflow``, in the words
@@ -232,9 +257,11 @@ class EngineServer:
                 raise BadRequest("n must be 1 (send one request per sample)")
             prompt = self._prompt(body.get("prompt"), "prompt")
             params = _params(body, "max_tokens", 16, "seed")
-            res = await self._run(prompt, params)
+            res = await self._run(prompt, params, request)
         except (BadRequest, EngineError) as e:
             return self._failed(e, "This model's maximum context length is {max_context} tokens: {e}")
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         pieces = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in res.completion_ids]
         logprobs = None
@@ -290,11 +317,13 @@ class EngineServer:
             if not isinstance(sp, dict):
                 raise BadRequest("sampling_params must be an object")
             params = _params(sp, "max_new_tokens", 128, "sampling_seed")
-            res = await self._run(prompt, params)
+            res = await self._run(prompt, params, request)
         except (BadRequest, EngineError) as e:
             return self._failed(
                 e, "The input ({e}) is longer than the model's context length ({max_context} tokens)."
             )
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         if res.finish_reason == "stop":
             last = res.completion_ids[-1]
             finish: dict[str, Any] = {
