@@ -1,25 +1,26 @@
-"""The docker backend against a real engine (skipped, with the reason, where none answers)."""
+"""The docker backend against a real engine (podman serving the Docker API under `make test`; see
+tests/backends.py): the protocol, reaping by run label, and failures that must be typed and quick.
+The isolation and limit checks it shares with bubblewrap are the parametrized tests of test_sandbox.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
-from legorl.sandbox import SandboxError, SandboxLimits
-from legorl.sandbox.docker import DEFAULT_IMAGE, DockerSandbox, docker_unavailable, reap_docker
-
-REASON = docker_unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"docker backend: {REASON}")
+from legorl.config import SandboxConfig
+from legorl.sandbox import SandboxError, SandboxLimits, create_sandbox, sandbox_unavailable
+from legorl.sandbox.docker import DockerSandbox, reap_docker
 
 
-def test_docker_sandbox_protocol_isolation_and_reaping(tmp_path: Path) -> None:
+def test_docker_sandbox_protocol_isolation_and_reaping(tmp_path: Path, docker_box_cfg: SandboxConfig) -> None:
     async def main() -> None:
         (tmp_path / "ws").mkdir()
         box = await DockerSandbox.create(
             workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="legorl-test-docker",
-            image=DEFAULT_IMAGE, limits=SandboxLimits(processes=64, memory_mb=256),
+            limits=SandboxLimits(processes=64, memory_mb=256), docker_host=docker_box_cfg.docker_host,
         )  # fmt: skip
         try:
             r = await box.exec("pwd; echo hi > f; id -u")
@@ -35,11 +36,39 @@ def test_docker_sandbox_protocol_isolation_and_reaping(tmp_path: Path) -> None:
             await box.close()
         with pytest.raises(SandboxError):
             await box.exec("echo closed")
-        leftover = await DockerSandbox.create(
-            workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb2", label="legorl-test-docker"
-        )
-        ids = await reap_docker("legorl-test-docker")
+        leftover = await create_sandbox(docker_box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb2",
+                                        label="legorl-test-docker")  # fmt: skip
+        ids = await reap_docker("legorl-test-docker", docker_host=docker_box_cfg.docker_host)
         assert leftover.container[:12] in " ".join(ids) or leftover.container in ids
         await leftover.close()
+
+    asyncio.run(main())
+
+
+def test_missing_image_and_dead_container_are_typed_errors(tmp_path: Path, docker_box_cfg: SandboxConfig) -> None:
+    """An image the engine lacks is refused before anything starts (never pulled); a container that dies
+    says so on the next request."""
+    missing = docker_box_cfg.model_copy(update={"image": "legorl/no-such-image:0"})
+    assert "no image legorl/no-such-image:0" in (sandbox_unavailable(missing) or "")
+    assert sandbox_unavailable(docker_box_cfg) is None
+
+    async def main() -> None:
+        (tmp_path / "ws").mkdir()
+        t0 = time.monotonic()
+        with pytest.raises(SandboxError, match="no image legorl/no-such-image:0"):
+            await create_sandbox(missing, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb0", label="t-missing")
+        assert time.monotonic() - t0 < 30
+        box = await create_sandbox(docker_box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb1",
+                                   label="t-dead")  # fmt: skip
+        try:
+            await box.exec("kill -9 1 2>/dev/null; echo tried")  # its own agent is not its to kill (another uid)
+            assert (await box.exec("echo alive")).output == "alive\n"
+            from backends import kill_agent
+
+            kill_agent(box)
+            with pytest.raises(SandboxError, match="container exited|killed"):
+                await box.exec("echo hi", timeout=5)
+        finally:
+            await box.close()
 
     asyncio.run(main())

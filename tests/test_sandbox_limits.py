@@ -50,16 +50,23 @@ def test_deadlines_nest_and_clamp() -> None:
 
 def test_docker_argv_carries_isolation_limits_and_label(tmp_path) -> None:
     argv = docker_run_argv(
-        name="legorl-x", image="python:3.11-slim", workspace=tmp_path / "ws", ctl_dir=tmp_path / "ctl",
+        name="legorl-x", image="legorl/debian-python:bookworm", workspace=tmp_path / "ws", ctl_dir=tmp_path / "ctl",
         label="run-1", sandbox_dir=tmp_path, proxy_socket=tmp_path / "p.sock", relay_port=18000,
-        limits=SandboxLimits(processes=64, memory_mb=512, tmp_mb=16), inside_workspace="/app",
+        limits=SandboxLimits(processes=64, memory_mb=512, tmp_mb=16), inside_workspace="/app", drop_to=(200123, 200123),
     )  # fmt: skip
     joined = " ".join(argv)
-    for flag in ("--network none", "--read-only", "--cap-drop ALL", "--security-opt no-new-privileges",
-                 "--pids-limit 64", "--memory 512m", "--label legorl.run=run-1", "/tmp:rw,nosuid,nodev,mode=1777,size=16m",
-                 f"{tmp_path / 'ws'}:/app:rw", "--relay 18000 /run/legorl/proxy.sock", "--workdir /app"):  # fmt: skip
+    for flag in ("--network none", "--read-only", "--cap-drop ALL", "--security-opt no-new-privileges", "--pull never",
+                 "--pids-limit 128", "--ulimit nproc=64:64", "--memory 512m", "--label legorl.run=run-1",
+                 "/tmp:rw,nosuid,nodev,mode=1777,size=16m", f"{tmp_path / 'ws'}:/app:rw",
+                 "--relay 18000 /run/legorl/proxy.sock", "--workdir /app",
+                 # a root driver: the agent starts as root with SETUID/SETGID only and drops to its own uid
+                 "--user 0:0 --cap-add SETUID --cap-add SETGID", "--uid 200123 --gid 200123"):  # fmt: skip
         assert flag in joined, flag
-    assert "nproc=" not in joined and "data=" not in joined  # docker enforces those itself
+    assert "--limits nproc=64,data=536870912" in joined  # per-process rlimits, as under bwrap
+    plain = " ".join(docker_run_argv(
+        name="x", image="i", workspace=tmp_path, ctl_dir=tmp_path, label="l", sandbox_dir=tmp_path, proxy_socket=None,
+        relay_port=1, limits=SandboxLimits(), user=(1000, 1000)))  # fmt: skip
+    assert "--user 1000:1000" in plain and "--cap-add" not in plain and "--uid" not in plain  # a non-root driver
 
 
 def test_disk_usage_counts_hard_links_once(tmp_path) -> None:

@@ -22,6 +22,7 @@ as ``DOCKER_HOST``. The image needs ``python3`` (and what the tasks run: pytest,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import secrets
@@ -175,6 +176,50 @@ async def _docker(*args: str, timeout: float = 60, docker_host: str | None = Non
     return proc.returncode or 0, out.decode(errors="replace")
 
 
+_DISCARDING: set[asyncio.Task] = set()
+
+
+async def _start_container(argv: list[str], name: str, timeout: float, docker_host: str | None) -> tuple[int, str]:
+    """`docker run -d`; a caller cancelled meanwhile leaves at once, and the container is removed once the
+    CLI is done starting it (removing it earlier could come before the engine made it)."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=docker_env(docker_host)
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -1, f"docker run timed out after {timeout:.0f}s"
+    except asyncio.CancelledError:
+        async def discard() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), timeout)
+            await _docker(argv[0], "rm", "-f", "-v", name, timeout=60, docker_host=docker_host)
+
+        task = asyncio.get_running_loop().create_task(discard())
+        _DISCARDING.add(task)  # held: the cancelled creator no longer references it
+        task.add_done_callback(_DISCARDING.discard)
+        raise
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+def _covers(hide_paths: Sequence[Path], binds: dict[str, Path], sandbox_dir: Path) -> dict[str, Path]:
+    """Read-only covers for the hide paths that a bind would show: an empty dir over a dir, /dev/null over
+    a file (nothing else of the host is in a container to hide)."""
+    out: dict[str, Path] = {}
+    empty = sandbox_dir / "empty"
+    for hidden in (Path(p).resolve() for p in hide_paths):
+        for inside, host in list(binds.items()):
+            host = Path(host).resolve()
+            if hidden != host and host not in hidden.parents or not hidden.exists():
+                continue
+            if hidden.is_dir():
+                empty.mkdir(mode=0o755, exist_ok=True)
+            out[str(Path(inside) / hidden.relative_to(host))] = empty if hidden.is_dir() else Path("/dev/null")
+    return out
+
+
 def _host_pid(pid_text: str) -> int:
     """The container's main process as this host sees it (0 when the engine runs elsewhere: a VM, a remote host)."""
     try:
@@ -235,6 +280,7 @@ class DockerSandbox(ControlledSandbox):
             user = (os.getuid(), os.getgid())
         binds = {str(Path(p).resolve()): Path(p).resolve() for p in visible_paths}
         binds.update(ro_binds or {})
+        binds.update(_covers(hide_paths, binds, sandbox_dir))
         name = "legorl-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", label)[:40] + "-" + secrets.token_hex(4)
         # The watchdog sums the sandbox's memory where it can see the processes; the engine's cgroup limit is a
         # backstop above it then (an OOM kill says less than the watchdog's reason).
@@ -245,7 +291,7 @@ class DockerSandbox(ControlledSandbox):
             env=env, drop_to=drop_to, user=user, cpus=cpus, ro_binds=binds, memory_headroom_mb=headroom,
             docker=docker,
         )  # fmt: skip
-        rc, out = await _docker(*argv, timeout=start_timeout, docker_host=docker_host)
+        rc, out = await _start_container(argv, name, start_timeout, docker_host)
         if rc != 0:
             await _docker(docker, "rm", "-f", "-v", name, timeout=30, docker_host=docker_host)
             raise SandboxError(f"docker run failed for {label}: {out.strip()[-1000:]}")
