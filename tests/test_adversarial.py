@@ -3,13 +3,13 @@
 Reward hacks are agent diffs (graded exactly as a rollout's would be) or agent behaviour inside
 a real sandbox followed by ``workspace_diff`` + ``grade``. Escapes run inside a real sandbox and
 check the host afterwards. Resource bombs run in one sandbox while another keeps working.
+Every test runs on both sandbox backends, bubblewrap and docker (``box_cfg``, tests/backends.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -17,17 +17,16 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
+from legorl.config import SandboxConfig
 from legorl.grading import grade, workspace_diff
 from legorl.grading.canaries import PATCH_CANARIES, CanaryContext
 from legorl.records import Outcome
 from legorl.rollout.outcomes import reward_for
-from legorl.sandbox import SandboxError, SandboxLimits
-from legorl.sandbox.bwrap import BwrapSandbox
+from legorl.sandbox import Sandbox, SandboxError, SandboxLimits, create_sandbox
 from legorl.sandbox.procs import alive, cmdline
 from legorl.tasks import generate_tasks, prepare_repo
 from legorl.tasks.builtin import unified_diff
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 TASK = generate_tasks(["wrong_operator"], 1, seed=21, split="train")[0]
 MODULE = next(p for p in TASK.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
 
@@ -42,12 +41,12 @@ def assert_reward_zero(report, why: str = "") -> None:
     assert reward_for(report.outcome) == 0.0 and not report.resolved
 
 
-async def graded(diffs: dict[str, str], work: Path, task=TASK) -> dict:
+async def graded(diffs: dict[str, str], work: Path, cfg: SandboxConfig, task=TASK) -> dict:
     sem = asyncio.Semaphore(3)
 
     async def one(diff: str):
         async with sem:
-            return await grade(task, diff, work_dir=work)
+            return await grade(task, diff, work_dir=work, sandbox=cfg)
 
     reports = await asyncio.gather(*(one(d) for d in diffs.values()))
     return dict(zip(diffs, reports, strict=True))
@@ -96,7 +95,7 @@ for _o in gc.get_objects():
 """
 
 
-def test_patch_hacks_all_get_reward_zero(tmp_path: Path) -> None:
+def test_patch_hacks_all_get_reward_zero(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     ctx = CanaryContext(TASK, tmp_path / "pristine")
     prepare_repo(TASK, ctx.repo)
     diffs = {name: make(ctx) for name, make in PATCH_CANARIES.items()}
@@ -108,7 +107,7 @@ def test_patch_hacks_all_get_reward_zero(tmp_path: Path) -> None:
         unified_diff(p, "", "def main(*a, **k):\n    return 0\n").replace(f"--- a/{p}", "new file mode 100644\n--- /dev/null")
         for p in ("pytest.py", "_pytest/__init__.py")
     )
-    reports = asyncio.run(graded(diffs, tmp_path / "grade"))
+    reports = asyncio.run(graded(diffs, tmp_path / "grade", box_cfg))
     for name, rep in reports.items():
         assert_reward_zero(rep, name)
     assert "exit status rewritten" in reports["exit_status_rewrite"].reason
@@ -121,11 +120,12 @@ def test_patch_hacks_all_get_reward_zero(tmp_path: Path) -> None:
     assert "conftest.py" in reports["conftest_hook"].dropped_paths
     # The same diffs plus the real fix do resolve: the hacks fail because they are hacks, not by accident.
     fixed = asyncio.run(graded({"gold+stdout": TASK.patch + diffs["stdout_forgery"].split("diff --git", 1)[0]},
-                               tmp_path / "grade"))  # fmt: skip
+                               tmp_path / "grade", box_cfg))  # fmt: skip
     assert fixed["gold+stdout"].resolved
 
 
-def test_code_under_test_cannot_rewrite_the_hidden_tests_before_collection(tmp_path: Path) -> None:
+def test_code_under_test_cannot_rewrite_the_hidden_tests_before_collection(tmp_path: Path,
+                                                                           box_cfg: SandboxConfig) -> None:
     """A pristine conftest imports the package: its code runs before the hidden tests are collected
     and tries to replace them with trivial passes. The hidden test file belongs to root, read-only."""
     if os.geteuid() != 0:
@@ -148,7 +148,7 @@ def test_code_under_test_cannot_rewrite_the_hidden_tests_before_collection(tmp_p
         "    except OSError:\n"
         "        pass\n"
     )
-    reports = asyncio.run(graded({"rewrite": append_to_module(rewrite, task)}, tmp_path, task=task))
+    reports = asyncio.run(graded({"rewrite": append_to_module(rewrite, task)}, tmp_path, box_cfg, task=task))
     assert_reward_zero(reports["rewrite"])
     assert reports["rewrite"].tests[task.FAIL_TO_PASS[0]] == "failed"
 
@@ -174,17 +174,17 @@ cat /tmp/history_count /tmp/found
 """
 
 
-def test_agent_behaviour_hacks_get_reward_zero(tmp_path: Path) -> None:
+def test_agent_behaviour_hacks_get_reward_zero(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     async def main():
         base = prepare_repo(TASK, tmp_path / "ws")
-        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="adv",
-                                        hide_paths=[tmp_path / "tasks"])  # fmt: skip
+        box = await create_sandbox(box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="adv",
+                                   hide_paths=[tmp_path / "tasks"])  # fmt: skip
         try:
             r = await box.exec(AGENT_HACKS, timeout=60)
             diff = await workspace_diff(box, base)
         finally:
             await box.close()
-        return r, diff, await grade(TASK, diff, work_dir=tmp_path / "grade")
+        return r, diff, await grade(TASK, diff, work_dir=tmp_path / "grade", sandbox=box_cfg)
 
     r, _diff, rep = asyncio.run(main())
     lines = r.output.split()
@@ -198,7 +198,7 @@ def test_agent_behaviour_hacks_get_reward_zero(tmp_path: Path) -> None:
 # ---- escape attempts ---------------------------------------------------------------------------------
 
 
-def test_escapes_network_files_writes_signals_and_survival(tmp_path: Path) -> None:
+def test_escapes_network_files_writes_signals_and_survival(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     host_tcp = socket.create_server(("127.0.0.1", 0))
     port = host_tcp.getsockname()[1]
     secret_dir = tmp_path / "run"
@@ -210,8 +210,8 @@ def test_escapes_network_files_writes_signals_and_survival(tmp_path: Path) -> No
     venv = Path(os.path.realpath(os.sys.prefix))
 
     async def main() -> dict[str, str]:
-        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="esc",
-                                        hide_paths=[secret_dir])  # fmt: skip
+        box = await create_sandbox(box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="esc",
+                                   hide_paths=[secret_dir])  # fmt: skip
         out = {}
         try:
             probes = {
@@ -234,7 +234,8 @@ def test_escapes_network_files_writes_signals_and_survival(tmp_path: Path) -> No
             }
             controls = {  # the probes work where they are allowed to: their failures above are the sandbox's doing
                 "ok_python_socket": "python3 -c \"import socket; socket.socket().close()\"",
-                "ok_read_visible": f"cat {venv}/pyvenv.cfg",
+                # bwrap shows the host's runtimes read-only; a container shows its image
+                "ok_read_visible": f"cat {venv}/pyvenv.cfg" if box_cfg.kind == "bwrap" else "cat /etc/os-release",
                 "ok_write_workspace": "touch /workspace/ok && echo x >> /tmp/ok",
                 "ok_signal_own": "sleep 60 & kill -9 $!",
             }
@@ -282,10 +283,10 @@ BOMBS = {
 }
 
 
-def test_fork_memory_and_disk_bombs_leave_other_rollouts_unaffected(tmp_path: Path) -> None:
+def test_fork_memory_and_disk_bombs_leave_other_rollouts_unaffected(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     limits = SandboxLimits(processes=128, memory_mb=512, workspace_mb=64, file_size_mb=16, cpu_seconds=60)
 
-    async def neighbour(box: BwrapSandbox, stop: asyncio.Event) -> list[str]:
+    async def neighbour(box: Sandbox, stop: asyncio.Event) -> list[str]:
         """A well-behaved rollout: forks, allocates, writes, while the bombs go off next door."""
         failures = []
         i = 0
@@ -301,8 +302,8 @@ def test_fork_memory_and_disk_bombs_leave_other_rollouts_unaffected(tmp_path: Pa
         boxes = {}
         for name in [*BOMBS, "neighbour"]:
             (tmp_path / name / "ws").mkdir(parents=True)
-            boxes[name] = await BwrapSandbox.create(workspace=tmp_path / name / "ws", sandbox_dir=tmp_path / name / "sb",
-                                                    label="bombs", limits=limits)  # fmt: skip
+            boxes[name] = await create_sandbox(box_cfg, workspace=tmp_path / name / "ws",
+                                               sandbox_dir=tmp_path / name / "sb", label="bombs", limits=limits)
         stop = asyncio.Event()
         watcher = asyncio.create_task(neighbour(boxes["neighbour"], stop))
         results = {}

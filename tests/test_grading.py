@@ -1,17 +1,17 @@
-"""The grader end to end (real bwrap, git, pytest) plus its path policy, stream verdicts and JUnit handling."""
+"""The grader end to end (real sandboxes, git, pytest) plus its path policy, stream verdicts and JUnit handling.
+
+The end-to-end tests take ``box_cfg`` and run on both backends: bubblewrap and docker (tests/backends.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import signal
 from pathlib import Path
 
 import pytest
-from helpers import wait_until_async
+from backends import kill_agent
 
+from legorl.config import SandboxConfig
 from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
 from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
 from legorl.grading.policy import filter_diff_detailed
@@ -19,11 +19,9 @@ from legorl.grading.stream import StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import Outcome
-from legorl.sandbox.bwrap import BwrapSandbox, process_tree
+from legorl.sandbox import create_sandbox
 from legorl.tasks import FAMILIES, Task, generate_tasks, prepare_repo
 from legorl.tasks.builtin import unified_diff
-
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
 
 async def gather_limited(coros, limit: int = 3):
@@ -36,13 +34,12 @@ async def gather_limited(coros, limit: int = 3):
     return await asyncio.gather(*(one(c) for c in coros))
 
 
-@needs_bwrap
-def test_gold_resolves_and_empty_diff_does_not_for_every_family(tmp_path: Path) -> None:
+def test_gold_resolves_and_empty_diff_does_not_for_every_family(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     tasks = generate_tasks(None, len(FAMILIES), seed=7, split="train")  # one instance per family
 
     async def main():
-        gold = gather_limited(grade(t, t.patch, work_dir=tmp_path) for t in tasks)
-        empty = gather_limited(grade(t, "", work_dir=tmp_path) for t in tasks[:3])
+        gold = gather_limited(grade(t, t.patch, work_dir=tmp_path, sandbox=box_cfg) for t in tasks)
+        empty = gather_limited(grade(t, "", work_dir=tmp_path, sandbox=box_cfg) for t in tasks[:3])
         return await gold, await empty
 
     gold, empty = asyncio.run(main())
@@ -75,20 +72,20 @@ git add -A && git commit -qm 'agent commit' && echo committed
 """
 
 
-@needs_bwrap
-def test_test_path_hacks_are_dropped_and_not_resolved(tmp_path: Path) -> None:
+def test_test_path_hacks_are_dropped_and_not_resolved(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     task = generate_tasks(["wrong_operator"], 1, seed=1, split="train")[0]
 
     async def main():
         base = prepare_repo(task, tmp_path / "ws")
-        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
+        box = await create_sandbox(box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
         try:
             r = await box.exec(HACKS)
             assert "committed" in r.output, r.output
             diff = await workspace_diff(box, base)
         finally:
             await box.close()
-        return diff, await grade(task, diff, work_dir=tmp_path / "grade", artifacts_dir=tmp_path / "art")
+        return diff, await grade(task, diff, work_dir=tmp_path / "grade", artifacts_dir=tmp_path / "art",
+                                 sandbox=box_cfg)
 
     diff, rep = asyncio.run(main())
     assert "conftest.py" in diff and "README.md" in diff  # committed + untracked changes both captured
@@ -105,28 +102,26 @@ def test_test_path_hacks_are_dropped_and_not_resolved(tmp_path: Path) -> None:
     assert junit[junit_key(task.FAIL_TO_PASS[0])] == "failed"
 
 
-@needs_bwrap
-def test_agent_fix_via_workspace_diff_resolves(tmp_path: Path) -> None:
+def test_agent_fix_via_workspace_diff_resolves(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     task = generate_tasks(["wrong_return"], 1, seed=3, split="train")[0]
 
     async def main():
         base = prepare_repo(task, tmp_path / "ws")
-        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
+        box = await create_sandbox(box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="agent")
         try:
             await box.write_file("/tmp/fix.patch", task.patch)
             assert (await box.exec("git apply /tmp/fix.patch && echo 'notes' > NOTES.md")).returncode == 0
             diff = await workspace_diff(box, base)
         finally:
             await box.close()
-        return diff, await grade(task, diff, work_dir=tmp_path / "grade")
+        return diff, await grade(task, diff, work_dir=tmp_path / "grade", sandbox=box_cfg)
 
     _, rep = asyncio.run(main())
     assert rep.resolved and rep.outcome == Outcome.RESOLVED, (rep.reason, rep.log_tail)
     assert "NOTES.md" in rep.applied_paths
 
 
-@needs_bwrap
-def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
+def test_bad_patches_and_broken_source(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     task = generate_tasks(["off_by_one"], 1, seed=2, split="train")[0]
     mod = next(p for p in task.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
     garbage = (
@@ -137,13 +132,14 @@ def test_bad_patches_and_broken_source(tmp_path: Path) -> None:
 
     async def main():
         return await asyncio.gather(
-            grade(task, garbage, work_dir=tmp_path),
-            grade(task, syntax, work_dir=tmp_path),
-            grade(no_repo, "", work_dir=tmp_path),
+            grade(task, garbage, work_dir=tmp_path, sandbox=box_cfg),
+            grade(task, syntax, work_dir=tmp_path, sandbox=box_cfg),
+            grade(no_repo, "", work_dir=tmp_path, sandbox=box_cfg),
             grade(
-                task.model_copy(update={"setup": "echo setting up; exit 7"}), task.patch, work_dir=tmp_path
+                task.model_copy(update={"setup": "echo setting up; exit 7"}), task.patch, work_dir=tmp_path,
+                sandbox=box_cfg,
             ),
-            grade(task.model_copy(update={"test_command": "true"}), task.patch, work_dir=tmp_path),
+            grade(task.model_copy(update={"test_command": "true"}), task.patch, work_dir=tmp_path, sandbox=box_cfg),
         )
 
     not_applied, broken, infra, bad_setup, not_pytest = asyncio.run(main())
@@ -294,8 +290,7 @@ def _as_test_patch(task: Task) -> Task:
     )
 
 
-@needs_bwrap
-def test_swebench_style_test_patch(tmp_path: Path) -> None:
+def test_swebench_style_test_patch(tmp_path: Path, box_cfg: SandboxConfig) -> None:
     task = _as_test_patch(generate_tasks(["wrong_constant"], 1, seed=4, split="train")[0])
     mod = next(p for p in task.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
     # The agent rewrote the visible test file: dropped, and the file is restored from the base commit.
@@ -305,7 +300,8 @@ def test_swebench_style_test_patch(tmp_path: Path) -> None:
 
     async def main():
         return await asyncio.gather(
-            grade(task, task.patch + tamper, work_dir=tmp_path), grade(task, "", work_dir=tmp_path)
+            grade(task, task.patch + tamper, work_dir=tmp_path, sandbox=box_cfg),
+            grade(task, "", work_dir=tmp_path, sandbox=box_cfg),
         )
 
     gold, empty = asyncio.run(main())
@@ -314,19 +310,18 @@ def test_swebench_style_test_patch(tmp_path: Path) -> None:
     assert empty.outcome == Outcome.UNRESOLVED and empty.tests[task.FAIL_TO_PASS[0]] == "failed"
 
 
-@needs_bwrap
-def test_dead_sandbox_raises_sandbox_error(tmp_path: Path) -> None:
-    from legorl.sandbox.client import SandboxError
-    from legorl.sandbox.procs import alive
+def test_dead_sandbox_raises_sandbox_error(tmp_path: Path, box_cfg: SandboxConfig) -> None:
+    from legorl.sandbox.client import SandboxClient, SandboxError
 
     async def main():
         (tmp_path / "ws").mkdir()
-        box = await BwrapSandbox.create(workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="x")
+        box = await create_sandbox(box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="x")
         try:
-            argvs = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in process_tree(box.pid)}
-            agent = next(p for p, argv in argvs.items() if Path(argv[0].decode()).name.startswith("python"))
-            os.kill(agent, signal.SIGKILL)
-            assert await wait_until_async(lambda: not alive(agent), timeout=10)  # it can no longer answer
+            kill_agent(box)
+            for _ in range(200):  # until it can no longer answer
+                if not SandboxClient(box.control_socket).ping(timeout=0.5):
+                    break
+                await asyncio.sleep(0.05)
             with pytest.raises(SandboxError):
                 await box.exec("echo hi", timeout=5)
             with pytest.raises(SandboxError):
