@@ -12,7 +12,7 @@ HARNESS ?= mini-swe-agent
 DEMO_CONFIG := configs/$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)).yaml
 RUN_DIR ?= runs/demo-$(HARNESS)-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup setup-test demo test test-all lint clean
+.PHONY: setup setup-test setup-sandbox-image demo test test-all lint clean
 
 define apt_need
 	@missing=""; for pair in $(1); do cmd=$${pair%%:*}; pkg=$${pair##*:}; \
@@ -46,18 +46,26 @@ $(VENV)/.setup-test: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[harness,dev,ray]'
 	@touch $@
 
+# The docker sandbox backend, tested by `make test` (docs/sandbox.md): podman serving the Docker API and
+# the image legorl/debian-python:bookworm, built offline from Debian packages (cached; a no-op once there).
+setup-sandbox-image:
+	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
+	bash scripts/sandbox-image.sh
+
 # make demo HARNESS=claude-code|codex: the same job through another harness (its CLI from npm)
 demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis)
 	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code or codex)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 
-test: setup-test
+test: export LEGORL_REQUIRE_DOCKER := 1
+test: setup-test setup-sandbox-image
 	$(VENV)/bin/legorl doctor
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: setup-test
+test-all: export LEGORL_REQUIRE_DOCKER := 1
+test-all: setup-test setup-sandbox-image
 	$(PY) -m pytest -q
 
 lint: setup-test
