@@ -37,7 +37,7 @@ from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.client import ExecResult
-from legorl.sandbox.factory import create_sandbox
+from legorl.sandbox.factory import ENV_INSIDE, create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
@@ -331,6 +331,7 @@ class _Grading:
             limits=limits,
             inside_workspace=task.workdir,
             image=task.image,
+            environment=task.environment,
         )
 
     async def run_task_setup(self, timeout: float) -> None:
@@ -371,7 +372,8 @@ class _Grading:
         args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--rootdir={rootdir}",
                 f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
         cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
-        r = await self.box.exec(cmd, timeout=timeout, env=GRADER_ENV)
+        env = {**GRADER_ENV, "PYTHONPATH": f"{VERIFIER_INSIDE}:{ENV_INSIDE}"} if task.environment else GRADER_ENV
+        r = await self.box.exec(cmd, timeout=timeout, env=env)
         self.report.exit_code, self.report.log_tail = r.returncode, r.output[-LOG_TAIL:]
         junit, junit_error = None, ""
         try:

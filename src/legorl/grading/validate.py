@@ -99,6 +99,7 @@ async def hidden_test_lookup(
     box = await create_sandbox(
         sandbox, workspace=ws, sandbox_dir=work / "lookup-sb", label=f"validate-{task.instance_id}",
         hide_paths=hide_paths, inside_workspace=task.workdir, visible_paths=visible_paths, image=task.image,
+        environment=task.environment,
     )  # fmt: skip
     try:
         await box.write_file("/tmp/.markers", "\n".join(markers) + "\n")
@@ -118,7 +119,7 @@ async def solution_diff(task: Task, work: Path, hide_paths: list[Path], timeout:
     base = await asyncio.to_thread(prepare_repo, task, ws)
     box = await create_sandbox(
         sandbox, workspace=ws, sandbox_dir=work / "solution-sb", label=f"validate-{task.instance_id}",
-        hide_paths=hide_paths, inside_workspace=task.workdir, image=task.image,
+        hide_paths=hide_paths, inside_workspace=task.workdir, image=task.image, environment=task.environment,
     )  # fmt: skip
     try:
         await box.write_file("/tmp/solve.sh", task.solution_script)

@@ -5,6 +5,8 @@ The arguments are the protocol's; each backend takes what applies to it. bwrap s
 system dirs and runtimes read-only and covers ``hide_paths``; a container shows its image only,
 so ``hide_paths`` have nothing to cover there, and ``visible_paths`` become read-only binds at the
 same place. ``image`` (a task's own) overrides ``cfg.image`` on docker and is ignored by bwrap.
+``environment`` (a task's, ``legorl.tasks.envs``) is mounted read-only at ``ENV_INSIDE`` on either
+backend and put on ``PYTHONPATH``; a missing one is a SandboxError before anything starts.
 """
 
 from __future__ import annotations
@@ -15,9 +17,24 @@ from typing import Any
 
 from legorl.config import SandboxConfig
 from legorl.sandbox.base import Sandbox
+from legorl.sandbox.client import SandboxError
 from legorl.sandbox.limits import SandboxLimits
 
-__all__ = ["create_sandbox", "reap_sandboxes", "sandbox_unavailable"]
+__all__ = ["ENV_INSIDE", "create_sandbox", "reap_sandboxes", "sandbox_unavailable"]
+
+ENV_INSIDE = "/opt/legorl-env"  # where a task's environment appears, read-only, in each of its sandboxes
+ENV_STAMP = ".legorl-env.json"  # what a finished build leaves (legorl.tasks.envs)
+
+
+def environment_binds(environment: Path | str | None) -> tuple[dict[str, Path], dict[str, str]]:
+    """(read-only binds, environment variables) that show a task environment inside a sandbox."""
+    if environment is None:
+        return {}, {}
+    env_dir = Path(environment).resolve()
+    if not (env_dir / ENV_STAMP).is_file():
+        why = "does not exist" if not env_dir.exists() else "is not a finished build (no .legorl-env.json)"
+        raise SandboxError(f"task environment {environment} {why}: build it first (legorl.tasks.envs.build_environment)")
+    return {ENV_INSIDE: env_dir}, {"PYTHONPATH": ENV_INSIDE, "LEGORL_TASK_ENV": ENV_INSIDE}
 
 
 async def create_sandbox(
@@ -37,11 +54,16 @@ async def create_sandbox(
     sandbox_uid: int | None = None,
     cpus: float | None = None,
     image: str | None = None,
+    environment: Path | str | None = None,
     start_timeout: float | None = None,
 ) -> Sandbox:
     """A started sandbox of ``cfg.kind`` (default: bwrap); raises SandboxError when it cannot start.
     ``relay_port`` defaults to ``cfg.relay_port``."""
     cfg = cfg or SandboxConfig()
+    env_binds, env_vars = environment_binds(environment)
+    if env_binds:
+        ro_binds = {**(ro_binds or {}), **env_binds}
+        env = {**env_vars, **(env or {})}
     common: dict[str, Any] = {
         "workspace": workspace, "sandbox_dir": sandbox_dir, "label": label, "proxy_socket": proxy_socket,
         "relay_port": cfg.relay_port if relay_port is None else relay_port, "hide_paths": hide_paths,

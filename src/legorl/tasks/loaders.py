@@ -16,7 +16,7 @@ BUILTIN_DEFAULT_N = 8
 def load_jsonl(path: Path | str, mirrors: list[Path] | None = None) -> list[Task]:
     """One Task per non-empty line; a bad row raises TaskError naming the line and field.
 
-    A relative ``repo_path`` is resolved against the JSONL file's directory. A row without one
+    A relative ``repo_path`` (or ``environment``) is resolved against the JSONL file's directory. A row without one
     (official SWE-bench / SWE-Gym rows name only ``repo``) gets its clone from a mirror directory
     (``mirrors``; default ``$LEGORL_REPO_MIRROR``, then ``repos/`` next to the file), found as
     ``OWNER__NAME``, ``OWNER/NAME`` or ``NAME`` (see ``legorl.tasks.swebench``).
@@ -36,6 +36,8 @@ def load_jsonl(path: Path | str, mirrors: list[Path] | None = None) -> list[Task
                 raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(row, dict):
                 raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            if isinstance(row.get("environment"), str) and not Path(row["environment"]).is_absolute():
+                row["environment"] = str((path.parent / row["environment"]).resolve())
             if isinstance(row.get("repo_path"), str) and not Path(row["repo_path"]).is_absolute():
                 row["repo_path"] = str((path.parent / row["repo_path"]).resolve())
             elif row.get("repo_path") is None and not row.get("files") and isinstance(row.get("repo"), str):

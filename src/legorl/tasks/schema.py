@@ -39,6 +39,9 @@ class Task(pydantic.BaseModel):
     workdir: str = "/workspace"  # where the repo appears inside the sandbox (terminal-bench: "/app")
     solution_script: str = ""  # a shell script that solves the task (Harbor/terminal-bench oracles)
     image: str | None = None  # container image for the docker backend
+    # A host dir of the task's dependencies (legorl.tasks.envs), read-only at /opt/legorl-env and on PYTHONPATH
+    # in its sandboxes; relative to the tasks file in a JSONL row.
+    environment: str | None = None
 
     @pydantic.field_validator("FAIL_TO_PASS", "PASS_TO_PASS", mode="before")
     @classmethod
