@@ -451,8 +451,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_litellm(port: int, engine_port: int, tmp: Path) -> subprocess.Popen | None:
-    exe = shutil.which("litellm", path=str(Path(sys.executable).parent)) or shutil.which("litellm")
+def litellm_exe(given: Path | None) -> str | None:
+    if given is not None:
+        return str(given)
+    return shutil.which("litellm", path=str(Path(sys.executable).parent)) or shutil.which("litellm")
+
+
+def litellm_version(exe: str) -> str:
+    """The version of the litellm that `exe` runs (it may live in a virtual environment of its own)."""
+    out = subprocess.run([str(Path(exe).parent / "python"), "-c",
+                          "import importlib.metadata as m; print(m.version('litellm'))"],
+                         capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "?"
+
+
+def start_litellm(port: int, engine_port: int, tmp: Path, exe: str | None) -> subprocess.Popen | None:
     if exe is None:
         return None
     cfg = tmp / "litellm.yaml"
@@ -501,6 +514,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8, help="calls per session (each extends the last)")
     ap.add_argument("--concurrency", type=int, default=64, help="concurrent sessions (throughput)")
     ap.add_argument("--no-litellm", action="store_true")
+    ap.add_argument("--litellm", type=Path, help="the litellm executable, with litellm[proxy] installed (default: "
+                    "the one next to this Python, else on PATH)")
     ap.add_argument("--write", action="store_true", help="update the '## Proxy' section of BENCHMARKS.md")
     ap.add_argument("--isolation-only", action="store_true", help="only the isolation measurement (printed)")
     ap.add_argument("--serve", choices=["engine", "legorl", "legorl-paced"], help=argparse.SUPPRESS)
@@ -543,7 +558,7 @@ def main() -> None:
     procs["legorl"] = subprocess.Popen([*me, "--serve", "legorl", "--port", str(ports["legorl"]),
                                         "--store", str(tmp / "store.sqlite")], start_new_session=True)
     if not a.no_litellm:
-        procs["litellm"] = start_litellm(ports["litellm"], ports["engine"], tmp)
+        procs["litellm"] = start_litellm(ports["litellm"], ports["engine"], tmp, litellm_exe(a.litellm))
     results: dict[str, dict[str, float]] = {}
     try:
         for name, proc in procs.items():
@@ -626,8 +641,8 @@ def main() -> None:
     iso_table = isolation_table(iso)
     print(table + ratio + "\n" + target + "\n" + iso_table)
     if a.write:
-        from importlib.metadata import version
-
+        exe = litellm_exe(a.litellm)
+        peer = f"litellm {litellm_version(exe)} (one worker)" if exe and not a.no_litellm else "no LiteLLM"
         machine = (f"{platform.machine()}, {os.cpu_count()} cores, shared with other work while measured "
                    f"(load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end)")
         write_section(
@@ -642,9 +657,10 @@ def main() -> None:
             " calls), interleaved in one run; that proxy's engine spends 0.1 ms per prompt token on long prompts "
             "(a simulated prefill) unless cancelled.\n\n"
             f"{iso_table}\n\n"
-            f"Machine: {machine}; litellm {version('litellm')} (one worker). Figures move with the machine's "
+            f"Machine: {machine}; {peer}. Figures move with the machine's "
             "load; compare ratios within one run.\n\n"
-            "Reproduce: `.venv/bin/pip install 'litellm[proxy]' && .venv/bin/python bench/proxy.py --write`\n")
+            "Reproduce: `.venv/bin/pip install 'litellm[proxy]' && .venv/bin/python bench/proxy.py --write` (`--litellm PATH`: "
+            "a litellm with its proxy extras in an environment of its own)\n")
 
 
 if __name__ == "__main__":

@@ -85,36 +85,34 @@ class CallCore:
         engine = self.engine
         takes_messages = getattr(engine, "takes_messages", False)  # a hosted teacher: it takes the conversation
         limit = engine.max_context() if hasattr(engine, "max_context") and not takes_messages else None
-        bridged: BridgeResult | None = None
         try:
-            texts = _verbatim_texts(req.messages)
             if limit is not None:
-                await self._refuse_if_too_long(session, req, texts, limit)
+                await self._refuse_if_too_long(session, req, _verbatim_texts(req.messages), limit)
             if _chars(req.messages) > INLINE_CHARS:  # a large prompt: render and tokenize off the loop
                 bridged = await asyncio.to_thread(self.bridge.build, req.messages, req.tools, session.history,
                                                   tools_key)
             else:
                 bridged = self.bridge.build(req.messages, req.tools, session.history, tools_key)
-            prompt_ids = bridged.prompt_ids
+        except asyncio.CancelledError:  # the client went away (server.py) before the engine was asked
+            self._abandon(session, req, None, t_start)
+            raise
 
-            def one() -> Any:
-                if takes_messages:
-                    return engine.generate_chat(req.messages, req.tools, params, rollout_id=session.rollout_id)
-                return engine.generate(prompt_ids, params, rollout_id=session.rollout_id)
+        def one() -> Any:
+            if takes_messages:
+                return engine.generate_chat(req.messages, req.tools, params, rollout_id=session.rollout_id)
+            return engine.generate(bridged.prompt_ids, params, rollout_id=session.rollout_id)
 
+        try:
             results = list(await asyncio.gather(*(one() for _ in range(req.n))))
             for r in results:
                 _check_result(r)
         except asyncio.CancelledError:  # the client went away (server.py): the engine stops generating
             self._abandon(session, req, bridged, t_start)
             raise
-        except ProxyError:
-            raise
         except ContextOverflowError as e:
             session.errors.append("context_overflow")
-            n_prompt = len(bridged.prompt_ids) if bridged is not None else 0
-            raise ProxyError(_overflow_message(req.wire_format, n_prompt, limit, e), "context_overflow",
-                             param=CONVERSATION_FIELD.get(req.wire_format, "messages")) from None
+            raise ProxyError(_overflow_message(req.wire_format, len(bridged.prompt_ids), limit, e),
+                             "context_overflow", param=CONVERSATION_FIELD.get(req.wire_format, "messages")) from None
         except Exception as e:  # noqa: BLE001 - the engine failed: a 500, and the rollout is an engine_error
             session.errors.append("engine_error")
             raise ProxyError(f"engine error: {type(e).__name__}: {e}", "engine_error") from None
