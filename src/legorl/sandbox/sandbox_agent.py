@@ -16,10 +16,11 @@ Usage: python3 -I -S sandbox_agent.py CONTROL_SOCKET [--relay PORT PROXY_SOCKET]
            [--limits nproc=N,data=BYTES,as=BYTES,cpu=S,fsize=BYTES,nofile=N] [--workdir DIR]
            [--uid UID --gid GID] [--lifeline] [--nice N]
 
-Each command runs as ``bash -c`` below a shim of its own: a forked child of the agent that is a
-child subreaper (PR_SET_CHILD_SUBREAPER), so everything the command starts (background jobs,
-double forks, ``setsid`` daemons) stays below it and is reaped by it. When the command times out
-or its client hangs up, that whole tree is killed, and only that tree: concurrent commands each
+Each command runs as ``bash -c``, forked by a small zygote (forked from the agent at start-up,
+before any import, so a fork from it is cheap), in a session of its own and as a child subreaper
+(PR_SET_CHILD_SUBREAPER): everything the command starts (background jobs, double forks, ``setsid``
+daemons) stays below its ``bash`` while it runs. When the command times out or its client hangs
+up, that whole tree is frozen, killed and waited for, and only that tree: concurrent commands each
 have their own. The reply says what was ended. When the process budget (RLIMIT_NPROC) is so full
 that no command can start, the sandbox declares itself exhausted: every later request gets that
 reason, and so does the host's watchdog (``<control dir>/failure``), which ends the sandbox.
@@ -47,8 +48,11 @@ WORKDIR = ["/workspace"]
 FAILURE = [""]  # why this sandbox can no longer run commands (sticky; see _declare)
 STATUS_FD = [-1]  # <control dir>/failure, opened before dropping privileges: the host's watchdog reads it
 LOCK = _thread.allocate_lock()
-PRCTL = [None]  # libc prctl (ctypes), resolved once; False where unavailable
-LINGERING = set()  # shims of finished commands whose background processes still run (reaped once they exit)
+PRCTL = [None]  # libc prctl (ctypes), resolved in the zygote; False where unavailable
+ZYGOTE = [None]  # (the agent's end of the zygote's socket, its pid); see zygote()
+ZYGOTE_LOCK = _thread.allocate_lock()
+ZYGOTE_MAX_MESSAGE = 128 * 1024  # larger requests go in a file
+WHICH = {}  # (PATH, name) -> path
 FORK_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # waits before a fork refused for the process budget is retried
 
 
@@ -97,16 +101,14 @@ def apply_limits(spec: str) -> None:
 
 
 def _prctl():
-    """libc's prctl, resolved once in the agent (a forked shim must not load anything)."""
+    """libc's prctl (ctypes), resolved once in the zygote before it forks; False where unavailable."""
     if PRCTL[0] is None:
-        with LOCK:
-            if PRCTL[0] is None:
-                try:
-                    import ctypes
+        try:
+            import ctypes
 
-                    PRCTL[0] = ctypes.CDLL(None, use_errno=True).prctl
-                except (ImportError, OSError, AttributeError):
-                    PRCTL[0] = False
+            PRCTL[0] = ctypes.CDLL(None, use_errno=True).prctl
+        except (ImportError, OSError, AttributeError):
+            PRCTL[0] = False
     return PRCTL[0]
 
 
@@ -174,35 +176,44 @@ def _names(names: list) -> str:
     return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in top[:6]) + (", ..." if len(top) > 6 else "")
 
 
-def _end_tree(shim: int, budget: float = 10.0) -> tuple:
-    """SIGKILL everything below the command's shim until nothing is left; (names ended, limit reached).
+def _end_tree(root: int, budget: float = 10.0) -> tuple:
+    """End the command whose ``bash`` is ``root`` and everything it started; (names ended, limit reached).
 
-    The shim is a child subreaper: whatever the command started (background jobs, double forks,
-    ``setsid`` daemons) stays below it, and what a kill orphans is reparented to it. Rounds repeat
-    while a fork bomb still has children in flight.
+    ``bash`` is a child subreaper: whatever the command started (background jobs, double forks,
+    ``setsid`` daemons) stays below it while it lives. So the tree is first frozen (SIGSTOP, in rounds
+    until no member is left running: a fork bomb still has children in flight), then killed whole, and
+    the kills are waited for: once the processes are reaped the process budget is free again.
     """
     import os
     import signal
     import time
 
-    ended, at_limit = {}, False
+    frozen, at_limit, first = {}, False, True
     deadline = time.monotonic() + budget
-    first = True
     while time.monotonic() < deadline:
         procs = _scan()
         if first:
             at_limit, first = _at_limit(procs), False
-        live = [p for p in _below(shim, procs) if procs[p][1] != b"Z"]
-        if not live:
-            break
-        for pid in live:
-            ended.setdefault(pid, procs[pid][3])
+        tree = [root, *_below(root, procs)] if root in procs else []
+        fresh = [p for p in tree if p not in frozen and procs[p][1] != b"Z"]
+        if not fresh and all(procs[p][1] in b"ZTtX" for p in tree):
+            break  # every member stopped: none can fork any more
+        for pid in fresh:
+            frozen[pid] = procs[pid][3]
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGSTOP)
             except (ProcessLookupError, PermissionError):
                 pass
-        time.sleep(0.002)  # let the killed die before looking again
-    return list(ended.values()), at_limit
+        if not fresh:
+            time.sleep(0.001)  # a stop is still on its way
+    for pid in frozen:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    while frozen and time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in frozen):
+        time.sleep(0.002)  # zombies still count against the budget until their reaper collects them
+    return list(frozen.values()), at_limit
 
 
 def _declare(reason: str) -> str:
@@ -229,169 +240,201 @@ def _exhausted(what: str) -> str:
                     f"sandbox in use ({_names(names)}); {what}")
 
 
-def _reap_lingering() -> None:
-    """Reap the shims of finished commands that have exited since. Under the lock, and only pids still in
-    the set: a pid there is an unreaped child, so it cannot have been reused."""
-    import os
-
-    with LOCK:
-        for pid in list(LINGERING):
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    LINGERING.discard(pid)
-            except ChildProcessError:
-                LINGERING.discard(pid)
-
-
 def _which(name: str, env: dict) -> str:
     import os
 
-    for d in (env.get("PATH") or "/usr/bin:/bin").split(":"):
-        path = os.path.join(d or ".", name)
-        if os.access(path, os.X_OK):
-            return path
-    return "/bin/" + name
+    path = env.get("PATH") or "/usr/bin:/bin"
+    if (path, name) not in WHICH:
+        found = [os.path.join(d or ".", name) for d in path.split(":") if os.access(os.path.join(d or ".", name), os.X_OK)]
+        WHICH[(path, name)] = found[0] if found else "/bin/" + name
+    return WHICH[(path, name)]
 
 
-def _children_left() -> bool:
-    """Whether this process still has children (reaping those that already exited)."""
-    import os
-
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return True
-        except ChildProcessError:
-            return False
-
-
-def _shim(bash: str, argv: list, env: dict, cwd: str, out_fd: int, wfd: int) -> None:
-    """The forked child between the agent and ``bash -c``: a child subreaper that reaps everything the
-    command leaves behind. It reports on ``wfd``: ``S`` once bash runs (``E <errno> <message>`` if it
-    cannot start), ``X <wait status> <1 if processes remain>`` when bash exits, and end-of-file once
-    it has no child left. Never returns."""
-    import os
-    import signal
-
-    code = 0
+def _exec_bash(bash: bytes, command: bytes, env: dict, cwd: bytes, out_fd: int, wfd: int) -> None:
+    """In the zygote's forked child: become ``bash -c command``, a child subreaper (PR_SET_CHILD_SUBREAPER)
+    in a session of its own, so that everything the command starts (background jobs, double forks, ``setsid``
+    daemons) stays below it while it runs. Writes ``E <errno> <message>`` to ``wfd`` (closed on exec) if that
+    fails. Built-in modules only. Never returns."""
     try:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD):  # as Popen(restore_signals=True)
+            _signal.signal(sig, _signal.SIG_DFL)
+        if PRCTL[0]:
+            PRCTL[0](36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the command reparent to its bash
+        posix.setsid()
+        null = posix.open("/dev/null", posix.O_RDONLY)
+        posix.dup2(null, 0)
+        posix.dup2(out_fd, 1)
+        posix.dup2(out_fd, 2)
+        posix.set_inheritable(wfd, False)
+        posix.closerange(3, wfd)  # nothing of the agent or the zygote stays open in the command
+        posix.closerange(wfd + 1, 1 << 16)
+        posix.chdir(cwd)
+        posix.execve(bash, [b"bash", b"-c", command], env)
+    except OSError as e:
+        name = e.filename.decode(errors="replace") if isinstance(e.filename, bytes) else e.filename
         try:
-            if PRCTL[0]:
-                PRCTL[0](36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the command reparent here
-                PRCTL[0](15, b"legorl-shim", 0, 0, 0)  # PR_SET_NAME: what `ps` shows for it
-            null = os.open("/dev/null", os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(out_fd, 1)
-            os.dup2(out_fd, 2)
-            os.closerange(3, wfd)  # nothing of the agent (sockets, other commands' pipes) stays open here
-            os.closerange(wfd + 1, 1 << 16)
-            os.chdir(cwd)
-            bash_pid = os.posix_spawn(bash, argv, env, setsid=True, setsigmask=(),
-                                      setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
-        except OSError as e:
-            os.write(wfd, f"E {e.errno or 0} {e}\n".encode())
-            code = 127
-            return
-        os.write(wfd, b"S\n")
+            posix.write(wfd, f"E {e.errno or 0} {e.strerror or e}{f': {name}' if name else ''}\n".encode())
+        except OSError:
+            pass
+    finally:
+        posix._exit(127)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := posix.read(fd, 1 << 20):
+        chunks.append(chunk)
+    posix.close(fd)
+    return b"".join(chunks)
+
+
+def zygote(sock) -> None:
+    """A small process forked from the agent at start-up, before it imports anything, that forks each
+    command's ``bash``: that costs a fraction of forking the grown, threaded agent (its page tables, and
+    the copy-on-write faults that follow on both sides). A request is one message on a SOCK_SEQPACKET
+    socket, ``bash NUL cwd NUL command NUL KEY=VALUE...`` (or ``-`` with the same in a third file, when
+    too large for one message), carrying the output file and the write end of the report pipe
+    (SCM_RIGHTS). Reports on that pipe: ``P <pid of bash>``, then ``X <wait status>`` once it has exited
+    and been reaped here (``E <errno> <message>`` if it could not start). A child subreaper itself, it
+    also reaps what finished commands left running once that exits (in a container the agent is pid 1
+    and would not). Exits when the agent's end closes. Never returns."""
+    jobs = {}  # bash pid -> its report pipe
+
+    def reap(*_) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, 0)
+                pid, status = posix.waitpid(-1, posix.WNOHANG)
             except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-            if pid == bash_pid:
-                left = _children_left()
+                return
+            if pid == 0:
+                return
+            wfd = jobs.pop(pid, -1)
+            if wfd >= 0:
                 try:
-                    os.write(wfd, f"X {status} {int(left)}\n".encode())
+                    posix.write(wfd, b"X %d\n" % status)
                 except OSError:
                     pass
-                if not left:
-                    break
+                posix.close(wfd)
+
+    try:
+        posix.closerange(3, sock.fileno())
+        posix.closerange(sock.fileno() + 1, 1 << 16)
+        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)
+        _signal.signal(_signal.SIGCHLD, reap)  # runs between bytecodes; an interrupted recvmsg is retried
+        _prctl()
+        if PRCTL[0]:
+            PRCTL[0](15, b"legorl-zygote", 0, 0, 0)  # PR_SET_NAME: what `ps` shows for it
+            PRCTL[0](36, 1, 0, 0, 0)  # and what a finished command left running is reaped here, not by pid 1
+        while True:
+            msg, anc, _, _ = sock.recvmsg(ZYGOTE_MAX_MESSAGE + 1024, 64)
+            if not msg:
+                break
+            fds = []
+            for level, kind, data in anc:
+                if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                    fds += [int.from_bytes(data[i:i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4)]
+            if len(fds) == 3:
+                msg = _read_all(fds.pop())
+            if len(fds) != 2 or msg.count(b"\0") < 2:
+                for fd in fds:
+                    posix.close(fd)
+                continue
+            out_fd, wfd = fds
+            bash, cwd, command, *pairs = msg.split(b"\0")
+            env = dict(pair.split(b"=", 1) for pair in pairs if b"=" in pair)
+            _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGCHLD,))  # reap() must find jobs[pid]
+            try:
+                pid = posix.fork()
+                if pid == 0:
+                    sock.close()
+                    _exec_bash(bash, command, env, cwd, out_fd, wfd)
+                jobs[pid] = wfd
+            except OSError as e:  # EAGAIN: the process budget is full
+                try:
+                    posix.write(wfd, f"E {e.errno or 0} {e}\n".encode())
+                except OSError:
+                    pass
+                posix.close(wfd)
+            else:
+                try:
+                    posix.write(wfd, b"P %d\n" % pid)
+                except OSError:
+                    pass
+            finally:
+                posix.close(out_fd)
+                _signal.pthread_sigmask(_signal.SIG_UNBLOCK, (_signal.SIGCHLD,))
     finally:
-        os._exit(code)
+        posix._exit(0)
 
 
-def _start(command: str, env: dict, cwd: str, out_fd: int) -> tuple:
-    """Start the command below its shim: (shim pid, read end of its report pipe). A fork or spawn refused
-    for the process budget (EAGAIN) is retried for a moment, then the sandbox is declared exhausted."""
+def start_zygote() -> bool:
+    """Fork the zygote (at start-up; again if it was killed from inside). False if it cannot be."""
+    try:
+        mine, its = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    except OSError:
+        return False
+    try:
+        pid = posix.fork()
+    except OSError:
+        mine.close()
+        its.close()
+        return False
+    if pid == 0:
+        mine.close()
+        zygote(its)
+    its.close()
+    ZYGOTE[0] = (mine, pid)
+    return True
+
+
+def _launch(bash: str, command: str, env: dict, cwd: str, out_fd: int) -> int:
+    """Ask the zygote to start the command; the read end of its report pipe (see zygote()). A zygote that
+    is gone (killed from inside) is started again; BlockingIOError when it cannot be (EAGAIN)."""
     import os
-    import time
+    import socket
 
-    _prctl()
-    bash = _which("bash", env)
-    argv = ["bash", "-c", command]
-    for wait in (*FORK_RETRY_S, None):
-        _reap_lingering()  # a finished shim counts against the budget until it is reaped
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except BlockingIOError:  # EAGAIN: RLIMIT_NPROC
-            os.close(r)
-            os.close(w)
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        else:
-            if pid == 0:
-                _shim(bash, argv, env, cwd, out_fd, w)
-            os.close(w)
-            line = b""
-            while not line.endswith(b"\n"):
-                chunk = os.read(r, 1)
-                if not chunk:
-                    break
-                line += chunk
-            if line == b"S\n":
-                return pid, r
-            os.close(r)
-            os.waitpid(pid, 0)
-            errno, _, message = line.decode(errors="replace")[2:].strip().partition(" ")
-            if errno != "11":
-                raise StartFailed(message or "the command's supervisor died")
-        if wait is None:
-            raise SandboxExhausted(_exhausted("no command can start"))
-        time.sleep(wait)
-    raise AssertionError("unreachable")
+    fields = [bash, cwd, command, *(f"{k}={v}" for k, v in env.items())]
+    message = b"\0".join(f.encode() for f in fields)
+    r, w = os.pipe()
+    try:
+        for _ in range(2):
+            with ZYGOTE_LOCK:
+                if ZYGOTE[0] is None and not start_zygote():
+                    raise BlockingIOError(11, "cannot start the zygote")
+                sock, zpid = ZYGOTE[0]
+            try:
+                if len(message) <= ZYGOTE_MAX_MESSAGE:
+                    socket.send_fds(sock, [message], [out_fd, w])
+                else:
+                    with open(os.memfd_create("legorl-request"), "w+b") as f:
+                        f.write(message)
+                        f.seek(0)
+                        socket.send_fds(sock, [b"-"], [out_fd, w, f.fileno()])
+                return r
+            except OSError:
+                with ZYGOTE_LOCK:
+                    if ZYGOTE[0] is not None and ZYGOTE[0][0] is sock:
+                        ZYGOTE[0] = None
+                        sock.close()
+                        _reap(zpid)
+        raise BlockingIOError(11, "the zygote did not take the command")
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
 
 
 class SandboxExhausted(Exception):
     """No command can start: the sandbox's process budget is full."""
 
 
-class StartFailed(Exception):
-    """bash could not be started (a bad cwd, ...)."""
-
-
-def _read_report(rfd: int, buf: bytes) -> tuple:
-    """(buffer, eof) after one read of the shim's report pipe."""
-    import os
-
-    data = os.read(rfd, 4096)
-    return buf + data, not data
-
-
-def _wait_gone(shim: int, rfd: int, buf: bytes, eof: bool, budget: float) -> bytes:
-    """Wait until the shim has reaped everything and exited (its pipe at end-of-file), then reap it."""
-    import os
-    import select
-    import signal
-
-    poller = select.poll()
-    poller.register(rfd, select.POLLIN)
-    while not eof and poller.poll(int(budget * 1000)):
-        buf, eof = _read_report(rfd, buf)
-    if not eof:  # stuck (stopped by the command?): it goes too
-        try:
-            os.kill(shim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _reap(pid: int) -> None:
     try:
-        os.waitpid(shim, 0)
+        posix.waitpid(pid, 0)
     except ChildProcessError:
         pass
-    return buf
 
 
 def _read_trimmed(f) -> str:
@@ -410,9 +453,42 @@ def _read_trimmed(f) -> str:
     return head.decode("utf-8", errors="replace") + note + tail.decode("utf-8", errors="replace")
 
 
-def run_command(req: dict, conn_fd: int = -1) -> dict:
+def _follow(rfd: int, deadline: float, conn_fd: int) -> tuple:
+    """Read the zygote's report on a command until its bash exits, the deadline passes or the client hangs
+    up: (how it ended: "X", "E", "timed out", "cancelled", or "" if the report ended without a word; the
+    pid of its bash or 0; the words of the report: X's wait status, or E's errno and message)."""
     import os
     import select
+    import time
+
+    poller = select.poll()
+    poller.register(rfd, select.POLLIN)
+    if conn_fd >= 0:  # the client hanging up cancels the command
+        poller.register(conn_fd, select.POLLRDHUP)
+    buf, pid, eof = b"", 0, False
+    while True:
+        while b"\n" in buf:
+            line, _, buf = buf.partition(b"\n")
+            kind, _, rest = line.decode(errors="replace").partition(" ")
+            if kind == "P":
+                pid = int(rest)
+            elif kind in ("X", "E"):
+                return kind, pid, rest.split(" ", 1)
+        if eof:
+            return "", pid, []
+        left = deadline - time.monotonic()
+        events = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
+        if not events:
+            return "timed out", pid, []
+        for fd, _ in events:
+            if fd != rfd:
+                return "cancelled", pid, []
+            data = os.read(rfd, 4096)
+            buf, eof = buf + data, not data
+
+
+def run_command(req: dict, conn_fd: int = -1) -> dict:
+    import os
     import time
 
     timeout = float(req.get("timeout", 30))
@@ -424,63 +500,50 @@ def run_command(req: dict, conn_fd: int = -1) -> dict:
     command = req["command"]
     if CPU_LIMIT[0]:  # a bash builtin: no extra process
         command = f"ulimit -t {CPU_LIMIT[0]} 2>/dev/null; {command}"
+    bash = _which("bash", env)
     # Output goes to an anonymous memory file, not a pipe: a background child that keeps a pipe open
     # must not block the reply after the command itself finished, and a full /tmp must not eat it.
     with open(os.memfd_create("legorl-out"), "w+b") as out:
         t0 = time.monotonic()
+        for wait in (*FORK_RETRY_S, None):  # a start refused for the process budget (EAGAIN) is retried
+            try:
+                rfd = _launch(bash, command, env, cwd, out.fileno())
+            except BlockingIOError:
+                how, pid, words, rfd = "E", 0, ["11"], -1
+            else:
+                how, pid, words = _follow(rfd, t0 + timeout, conn_fd)
+                if how in ("timed out", "cancelled") and not pid:  # not even started yet: give it a moment
+                    later, pid, words = _follow(rfd, time.monotonic() + 5, -1)
+                    how = later if later in ("E", "") else how
+            if how != "E":
+                break
+            if rfd >= 0:
+                os.close(rfd)
+            if words[0] != "11":
+                return {"output": f"failed to start command: {words[-1]}", "returncode": 127, "timed_out": False}
+            if wait is None:
+                reason = _exhausted("no command can start")
+                return {"error": reason, "failure": reason}
+            time.sleep(wait)
         try:
-            shim, rfd = _start(command, env, cwd, out.fileno())
-        except SandboxExhausted as e:
-            return {"error": str(e), "failure": str(e)}
-        except (OSError, StartFailed) as e:
-            return {"output": f"failed to start command: {e}", "returncode": 127, "timed_out": False}
-        try:
-            poller = select.poll()
-            poller.register(rfd, select.POLLIN)
-            if conn_fd >= 0:  # the client hanging up cancels the command
-                poller.register(conn_fd, select.POLLRDHUP)
-            buf, eof, ended_by = b"", False, ""
-            while b"\n" not in buf and not eof:
-                left = t0 + timeout - time.monotonic()
-                events = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
-                if not events:
-                    ended_by = "timed out"
-                    break
-                for fd, _ in events:
-                    if fd == rfd:
-                        buf, eof = _read_report(rfd, buf)
-                    else:
-                        ended_by = "cancelled"
-                if ended_by:
-                    break
             note, ended, returncode = "", [], -1
-            if ended_by:
-                ended, at_limit = _end_tree(shim)
-                buf = _wait_gone(shim, rfd, buf, eof, 5.0)
-                note = f"[legorl] {ended_by} after {timeout:g} s" if ended_by == "timed out" else \
-                    f"[legorl] {ended_by} after {time.monotonic() - t0:.1f} s"
+            if how in ("timed out", "cancelled"):
+                ended, at_limit = _end_tree(pid) if pid else ([], False)
+                note = f"[legorl] {how} after {timeout:g} s" if how == "timed out" else \
+                    f"[legorl] {how} after {time.monotonic() - t0:.1f} s"
                 note += f"; ended {len(ended)} process{'es' if len(ended) != 1 else ''}"
                 note += f": {_names(ended)}" if ended else ""
                 if at_limit:
                     note += f" (the sandbox's process limit of {NPROC_LIMIT[0]} was reached: fork bomb?)"
-            else:
-                kind, *rest = buf.split(b"\n", 1)[0].decode().split(" ", 2)
-                if kind == "X":
-                    returncode = os.waitstatus_to_exitcode(int(rest[0]))
-                    if rest[1] == "1":
-                        with LOCK:  # it reaps what the command left running; reaped itself once it exits
-                            LINGERING.add(shim)
-                    else:
-                        _wait_gone(shim, rfd, buf, eof, 5.0)
-                else:  # the shim died without a report (killed from inside)
-                    _wait_gone(shim, rfd, buf, eof, 5.0)
+            elif how == "X":
+                returncode = os.waitstatus_to_exitcode(int(words[0]))
             output = _read_trimmed(out)
         finally:
             os.close(rfd)
     if note:
         output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"
-    reply = {"output": output, "returncode": returncode, "timed_out": ended_by == "timed out", "ended": ended}
-    if ended_by == "cancelled":
+    reply = {"output": output, "returncode": returncode, "timed_out": how == "timed out", "ended": ended}
+    if how == "cancelled":
         reply["cancelled"] = True
     return reply
 
@@ -670,6 +733,7 @@ def watch_lifeline() -> None:
 
 
 def _warm_up() -> None:
+    import array  # noqa: F401 - socket.send_fds
     import base64  # noqa: F401 - imported now so the first request does not pay for it
     import json  # noqa: F401
     import os  # noqa: F401
@@ -677,8 +741,6 @@ def _warm_up() -> None:
     import signal  # noqa: F401
     import socket  # noqa: F401
     import time  # noqa: F401
-
-    _prctl()
 
 
 def main(argv: list) -> None:
@@ -719,6 +781,7 @@ def main(argv: list) -> None:
     devnull = posix.open("/dev/null", posix.O_WRONLY)
     posix.dup2(devnull, 1)
     posix.close(devnull)
+    start_zygote()  # while this process is still small: nothing imported yet
     if opts["lifeline"]:
         _thread.start_new_thread(watch_lifeline, ())
     _thread.start_new_thread(_warm_up, ())
