@@ -301,7 +301,7 @@ def zygote(sock) -> None:
     and would not). Exits when the agent's end closes. Never returns."""
     jobs = {}  # bash pid -> its report pipe
 
-    def reap(*_) -> None:
+    def reap() -> None:
         while True:
             try:
                 pid, status = posix.waitpid(-1, posix.WNOHANG)
@@ -320,13 +320,35 @@ def zygote(sock) -> None:
     try:
         posix.closerange(3, sock.fileno())
         posix.closerange(sock.fileno() + 1, 1 << 16)
+        import select
+
+        # SIGCHLD only wakes the poll below (a byte on this pipe, written by the C-level handler); reaping
+        # happens in the loop, never in a handler, so it cannot race the bookkeeping around a fork, and a
+        # child exiting just before the poll is never missed.
+        wake_r, wake_w = posix.pipe()
+        posix.set_blocking(wake_r, False)
+        posix.set_blocking(wake_w, False)
+        _signal.set_wakeup_fd(wake_w)
+        _signal.signal(_signal.SIGCHLD, lambda *_: None)
         _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)
-        _signal.signal(_signal.SIGCHLD, reap)  # runs between bytecodes; an interrupted recvmsg is retried
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         _prctl()
         if PRCTL[0]:
             PRCTL[0](15, b"legorl-zygote", 0, 0, 0)  # PR_SET_NAME: what `ps` shows for it
             PRCTL[0](36, 1, 0, 0, 0)  # and what a finished command left running is reaped here, not by pid 1
         while True:
+            ready = dict(poller.poll())
+            if wake_r in ready:
+                try:
+                    while posix.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            reap()
+            if sock.fileno() not in ready:
+                continue
             msg, anc, _, _ = sock.recvmsg(ZYGOTE_MAX_MESSAGE + 1024, 64)
             if not msg:
                 break
@@ -343,13 +365,12 @@ def zygote(sock) -> None:
             out_fd, wfd = fds
             bash, cwd, command, *pairs = msg.split(b"\0")
             env = dict(pair.split(b"=", 1) for pair in pairs if b"=" in pair)
-            _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGCHLD,))  # reap() must find jobs[pid]
             try:
                 pid = posix.fork()
                 if pid == 0:
+                    _signal.set_wakeup_fd(-1)
                     sock.close()
                     _exec_bash(bash, command, env, cwd, out_fd, wfd)
-                jobs[pid] = wfd
             except OSError as e:  # EAGAIN: the process budget is full
                 try:
                     posix.write(wfd, f"E {e.errno or 0} {e}\n".encode())
@@ -357,13 +378,13 @@ def zygote(sock) -> None:
                     pass
                 posix.close(wfd)
             else:
+                jobs[pid] = wfd
                 try:
                     posix.write(wfd, b"P %d\n" % pid)
                 except OSError:
                     pass
             finally:
                 posix.close(out_fd)
-                _signal.pthread_sigmask(_signal.SIG_UNBLOCK, (_signal.SIGCHLD,))
     finally:
         posix._exit(0)
 
@@ -424,6 +445,22 @@ def _launch(bash: str, command: str, env: dict, cwd: str, out_fd: int) -> int:
         raise
     finally:
         os.close(w)
+
+
+def _zygote_gone() -> bool:
+    """Whether the zygote has exited (then forgotten: the next command starts a new one)."""
+    with ZYGOTE_LOCK:
+        if ZYGOTE[0] is None:
+            return True
+        sock, pid = ZYGOTE[0]
+        try:
+            if posix.waitpid(pid, posix.WNOHANG)[0] == 0:
+                return False
+        except ChildProcessError:
+            pass
+        ZYGOTE[0] = None
+        sock.close()
+        return True
 
 
 class SandboxExhausted(Exception):
@@ -515,6 +552,9 @@ def run_command(req: dict, conn_fd: int = -1) -> dict:
                 if how in ("timed out", "cancelled") and not pid:  # not even started yet: give it a moment
                     later, pid, words = _follow(rfd, time.monotonic() + 5, -1)
                     how = later if later in ("E", "") else how
+            if how == "" and not pid and _zygote_gone():  # it died (killed from inside) before starting it
+                os.close(rfd)
+                continue
             if how != "E":
                 break
             if rfd >= 0:
