@@ -319,7 +319,8 @@ async def run(args: argparse.Namespace) -> str:
         (f"- Noisy neighbour: next to a sandbox running a busy loop on every core, a quiet sandbox's exec p50 is "
          f"**{nb_ratio:.2f}x** its p50 alone with each sandbox's CPU share (target <= 1.5x: "
          f"{'met' if nb_ratio <= 1.5 else 'NOT met'}), {plain_ratio:.2f}x without ({share.kind}: "
-         f"{share.detail.split(':')[0]}). A fork bomb's command timed out after {bomb['timeout']:g} s: "
+         f"{share.detail.split(':')[0]}; on a machine already loaded by other jobs, a neighbour's loops add "
+         f"less and the ratios move with that load). A fork bomb's command timed out after {bomb['timeout']:g} s: "
          f"{bomb['ended']} processes ended in {bomb['cleanup_ms']:.0f} ms, and the next command "
          f"{'succeeded (target: met)' if bomb['next_ok'] else 'FAILED (target: NOT met)'}; its reply ends with "
          f"`{bomb['note']}`."),
@@ -329,7 +330,8 @@ async def run(args: argparse.Namespace) -> str:
          "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
          "(saves the interpreter start, the largest user-space part)."),
         (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent (a `ping` "
-         "alone is ~0.5 ms), which forks `bash -c` with the sandbox's limits; the floor forks `bash -c` "
+         "alone is ~0.5 ms), whose zygote forks `bash -c` (its own child subreaper, so that a timeout can end "
+         "all it started) with the sandbox's limits; the floor forks `bash -c` "
          "directly with the sandbox's environment (its `LC_ALL=C.UTF-8` makes every process load the locale "
          "files, ~1 ms under this load); the three are interleaved command by command."),
         (f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
