@@ -463,10 +463,6 @@ def _zygote_gone() -> bool:
         return True
 
 
-class SandboxExhausted(Exception):
-    """No command can start: the sandbox's process budget is full."""
-
-
 def _reap(pid: int) -> None:
     try:
         posix.waitpid(pid, 0)
