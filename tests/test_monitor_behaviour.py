@@ -12,7 +12,7 @@ import pytest
 from legorl.monitor.behaviour import aggregate, analyse_calls, step_metrics, turns_from_calls
 from legorl.monitor.commands import classify_command, classify_tool_call, same_file
 from legorl.monitor.messages import FORMATS, conversation_items, messages_of, new_messages
-from legorl.records import LLMCall, Outcome, Rollout, ToolCall
+from legorl.records import ABANDONED, LLMCall, Outcome, Rollout, ToolCall
 
 BASH_TOOL = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 
@@ -60,6 +60,15 @@ def test_mini_turn_feedback_is_read_from_the_next_request() -> None:
     assert [m.role for m in turns[0].feedback] == ["tool"] and "out 0" in turns[0].feedback[0].text
     assert turns[2].feedback[0].role == "user" and "No tool calls found" in turns[2].feedback[0].text
     assert turns[-1].feedback == []
+
+
+def test_abandoned_calls_are_not_turns() -> None:
+    """A call whose client went away (recorded with the index its retry takes) is no turn of its own."""
+    calls = mini_trajectory()
+    gone = LLMCall(rollout_id="r", index=2, wire_format="openai_chat", request=calls[2].request, prompt_ids=[1],
+                   completion_ids=[], completion_logprobs=[], finish_reason=ABANDONED, weight_version=0,
+                   completion_text="")
+    assert analyse_calls(calls[:2] + [gone] + calls[2:], "mini-swe-agent") == analyse_calls(calls, "mini-swe-agent")
 
 
 def test_mini_unverified_edit_and_no_submit() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from legorl.monitor.commands import KINDS, Action, Classified, classify_tool_call, same_file
 from legorl.monitor.messages import Message, conversation_items, declares_tools, new_messages
-from legorl.records import LLMCall, Rollout, ToolCall
+from legorl.records import ABANDONED, LLMCall, Rollout, ToolCall
 
 # What harnesses say back when a turn was malformed (mini-swe-agent, SWE-agent, OpenHands, Codex, ...).
 FORMAT_ERROR_FEEDBACK = re.compile(
@@ -65,9 +65,10 @@ def turns_from_calls(calls: list[LLMCall]) -> list[Turn]:
     """The agent's turns in call order, each with the harness's reply read from the next request.
 
     Calls without tools in a rollout whose other calls declare tools (e.g. Claude Code's title or
-    summary requests) are side requests, not agent turns, and are left out.
+    summary requests) are side requests, not agent turns, and are left out; so are abandoned calls
+    (the client went away before the answer: no turn happened, a retry is the turn).
     """
-    calls = sorted(calls, key=lambda c: c.index)
+    calls = sorted((c for c in calls if c.finish_reason != ABANDONED), key=lambda c: c.index)
     convs = [conversation_items(c.request, c.wire_format) for c in calls]
     any_tools = any(declares_tools(c.request) for c in calls)
     keep = [i for i, c in enumerate(calls) if not any_tools or declares_tools(c.request) or c.tool_calls]
