@@ -320,6 +320,9 @@ def zygote(sock) -> None:
     try:
         posix.closerange(3, sock.fileno())
         posix.closerange(sock.fileno() + 1, 1 << 16)
+        null = posix.open("/dev/null", posix.O_RDWR)
+        posix.dup2(null, 1)  # not the host's start-up pipe
+        posix.close(null)
         import select
 
         # SIGCHLD only wakes the poll below (a byte on this pipe, written by the C-level handler); reaping
@@ -813,11 +816,13 @@ def main(argv: list) -> None:
         posix.setresgid(gid, gid, gid)
         posix.setresuid(uid, uid, uid)  # from 0 to non-zero: permitted, effective and ambient caps cleared
     # Tell the host we accept connections, then let go of the pipe.
+    # The zygote first, while this process is still small (nothing imported yet) and before the host,
+    # told we are ready, moves the sandbox's processes into its cgroup: it must be one of them.
+    start_zygote()
     posix.write(1, b"ready\n")
     devnull = posix.open("/dev/null", posix.O_WRONLY)
     posix.dup2(devnull, 1)
     posix.close(devnull)
-    start_zygote()  # while this process is still small: nothing imported yet
     if opts["lifeline"]:
         _thread.start_new_thread(watch_lifeline, ())
     _thread.start_new_thread(_warm_up, ())
