@@ -403,16 +403,19 @@ def _baseline(runner: Runner, root: Path, tests: list[str], args: list[str], src
               ) -> _Baseline:  # fmt: skip
     # A file that cannot be collected (a missing dependency) is left out, not the whole suite.
     args = [*args, "--continue-on-collection-errors"]
-    traced = runner.run(
-        root, tests, timeout=cfg.baseline_timeout, pytest_args=args, trace=[root / s for s in srcs]
-    )
-    if traced.timed_out or not traced.complete:
-        raise TaskError(
-            f"the test suite did not finish (timed out: {traced.timed_out}): {traced.output[-600:]}"
-        )
     plain = runner.run(root, tests, timeout=cfg.baseline_timeout, pytest_args=args)
     if plain.timed_out or not plain.complete:
-        raise TaskError(f"the test suite did not finish on its second run: {plain.output[-600:]}")
+        raise TaskError(
+            f"the test suite did not finish in {cfg.baseline_timeout:.0f} s: {plain.output[-600:]}"
+        )
+    # Tracing makes a suite several times slower; a package far slower than that is not worth mining.
+    limit = min(cfg.baseline_timeout, max(120.0, 40 * plain.duration))
+    traced = runner.run(root, tests, timeout=limit, pytest_args=args, trace=[root / s for s in srcs])
+    if traced.timed_out or not traced.complete:
+        raise TaskError(
+            f"the test suite with line tracing did not finish in {limit:.0f} s (untraced: {plain.duration:.0f} s); "
+            f"{'timed out' if traced.timed_out else traced.output[-600:]}"
+        )
     bad_files = {e["nodeid"].split("::")[0] for e in (*traced.errors, *plain.errors)}
     for run in (traced, plain):
         bad_files |= {t.split("::")[0] for t, r in run.tests.items() if r.multi}
