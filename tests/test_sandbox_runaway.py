@@ -224,7 +224,8 @@ def test_rollout_with_an_exhausted_process_budget_ends_as_sandbox_error(tokenize
 
 def test_each_sandbox_has_its_own_cpu_share_and_a_busy_one_is_held_to_it(tmp_path: Path) -> None:
     """A busy loop on every core in one sandbox while another runs commands. Deterministic checks only: the
-    busy processes are in their sandbox's cgroup, weighted like one process (or, without a cgroup, niced);
+    busy processes are in their sandbox's cgroup, weighted like one process next to the host's (or, without a
+    cgroup, niced);
     cancelling the busy command ends its loops."""
     n = os.cpu_count() or 1
     support = cpushare.support()
@@ -245,13 +246,12 @@ def test_each_sandbox_has_its_own_cpu_share_and_a_busy_one_is_held_to_it(tmp_pat
                 assert box.cpu_share is not None and box.cpu_share.kind == support.kind
             if support.root is not None:
                 paths = {box.cpu_share.path for box in (busy, quiet)}
-                assert len(paths) == 2 and all(p.parent == support.root for p in paths)
+                assert len(paths) == 2 and all(p.parent == support.root and p.name.startswith("legorl-") for p in paths)
                 procs = (busy.cpu_share.path / "cgroup.procs").read_text().split()
                 assert {str(p) for p in spinning()} <= set(procs)
                 weight = "cpu.shares" if support.kind == "cgroup1" else "cpu.weight"
                 one = cpushare.V1_SHARES if support.kind == "cgroup1" else cpushare.V2_WEIGHT
-                assert int((busy.cpu_share.path / weight).read_text()) == one
-                assert int((support.root / weight).read_text()) == min(10_000, one * n)
+                assert int((busy.cpu_share.path / weight).read_text()) == one  # like one process, side by side
                 if support.kind == "cgroup1":  # a task's limits.cpus caps its sandbox outright
                     assert (quiet.cpu_share.path / "cpu.cfs_quota_us").read_text().split() == ["50000"]
                 else:

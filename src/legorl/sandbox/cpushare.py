@@ -2,19 +2,25 @@
 
 Where the kernel offers a ``cpu`` cgroup controller this process may write to (cgroup v2 with ``cpu``
 enabled, or the v1 ``cpu`` controller; as root both usually are), every sandbox gets a cgroup of its
-own under one ``legorl`` group:
+own, ``legorl-<label>-<id>``, next to the driver's processes (v1: inside the driver's own cpu cgroup;
+v2: at the root of the hierarchy, or next to the driver's cgroup, since a v2 cgroup that holds
+processes cannot enable controllers for children):
 
-* each sandbox weighs like one busy process (v1 ``cpu.shares`` 1024, v2 ``cpu.weight`` 100), however
-  many processes it runs: a ``make -j16`` or a busy loop on every core gets one share, and a quiet
-  sandbox next to it still gets its own;
-* ``cpus`` (a task's ``limits.cpus``) caps it outright (v1 ``cpu.cfs_quota_us``, v2 ``cpu.max``);
-* the ``legorl`` group weighs like ``os.cpu_count()`` busy processes against the rest of the host
-  (the engine, the trainer): all sandboxes together cannot starve them.
+* each sandbox weighs like one busy process (v1 ``cpu.shares`` 1024, v2 ``cpu.weight`` 100) against
+  every other process there (the engine's threads, the trainer's, each other sandbox), however many
+  processes it runs: a ``make -j16`` or a busy loop on every core gets one share, and a quiet sandbox
+  next to it still gets its own, as does the engine;
+* ``cpus`` (a task's ``limits.cpus``) caps it outright (v1 ``cpu.cfs_quota_us``, v2 ``cpu.max``).
 
-The bubblewrap backend moves the sandbox's first processes (bwrap, its init, the in-sandbox agent)
-into the cgroup once the agent is ready, before any command runs, so every command inherits it;
-inside, the cgroup namespace shows it as ``/``, and nothing inside can move out (``/sys`` is not
-mounted, and the files are root's). The cgroup is removed when the sandbox closes.
+The groups sit side by side, not under one ``legorl`` group: a common parent would weigh all
+sandboxes together like a fixed number of processes, and on a host busy with other work every
+sandbox command would then wait behind it (measured: a quiet sandbox's exec ~3x slower at a load
+of 20 on 2 cores).
+
+The bubblewrap backend moves the sandbox's first processes (bwrap, its init, the in-sandbox agent
+and its zygote) into the cgroup once the agent is ready, before any command runs, so every command
+inherits it; inside, the cgroup namespace shows it as ``/``, and nothing inside can move out
+(``/sys`` is not mounted, and the files are root's). The cgroup is removed when the sandbox closes.
 
 Elsewhere (no cgroup, or none writable: a non-root driver without a delegated cgroup) the
 sandbox's processes run at nice ``NICE`` instead: the agent lowers its own priority before
@@ -37,7 +43,7 @@ from pathlib import Path
 from typing import Literal
 
 NICE = 10  # the fallback: weight 110 against a normal process's 1024
-GROUP = "legorl"
+PREFIX = "legorl-"  # the sandboxes' cgroups: PREFIX + label + id
 V1_SHARES = 1024  # one normal process
 V2_WEIGHT = 100  # one normal process
 PERIOD_US = 100_000
@@ -45,7 +51,7 @@ PERIOD_US = 100_000
 
 @dataclass(frozen=True)
 class Support:
-    """What this machine offers: ``kind`` "cgroup2" / "cgroup1" with the ``legorl`` group at ``root``,
+    """What this machine offers: ``kind`` "cgroup2" / "cgroup1", the sandboxes' cgroups made in ``root``,
     or "nice" (no cgroup usable); ``detail`` says what and why, in words."""
 
     kind: Literal["cgroup2", "cgroup1", "nice"]
@@ -92,43 +98,45 @@ def _write(path: Path, value: str) -> None:
         f.write(value)
 
 
-def _make_root(parent: Path, kind: str) -> Path:
-    """``parent/legorl``, weighted like os.cpu_count() processes (and, v2, with ``cpu`` for its children)."""
-    root = parent / GROUP
-    root.mkdir(exist_ok=True)
-    n = os.cpu_count() or 1
-    if kind == "cgroup1":
-        _write(root / "cpu.shares", str(V1_SHARES * n))
-    else:
-        if "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
-            _write(parent / "cgroup.subtree_control", "+cpu")
-        _write(root / "cpu.weight", str(min(10_000, V2_WEIGHT * n)))
-        if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
-            _write(root / "cgroup.subtree_control", "+cpu")
-    return root
+def _usable(parent: Path, kind: str) -> Path:
+    """``parent`` once a sandbox cgroup can be made there with a CPU weight (v2: ``cpu`` enabled for
+    its children); OSError if it cannot."""
+    if kind == "cgroup2" and "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
+        _write(parent / "cgroup.subtree_control", "+cpu")
+    probe = parent / f"{PREFIX}probe-{os.getpid()}-{secrets.token_hex(3)}"
+    probe.mkdir()
+    try:
+        _write(probe / ("cpu.shares" if kind == "cgroup1" else "cpu.weight"),
+               str(V1_SHARES if kind == "cgroup1" else V2_WEIGHT))
+    finally:
+        probe.rmdir()
+    return parent
 
 
 def probe() -> Support:
-    """Find a cpu controller this process can give sandboxes a share of (creates the ``legorl`` group)."""
+    """Find a cpu controller this process can give sandboxes a share of (tries a cgroup, removes it)."""
     why: list[str] = []
     mounts = _mounts()
     for mroot, point, fstype, _ in mounts:  # cgroup v2 with the cpu controller
         if fstype != "cgroup2":
             continue
-        if "cpu" not in (Path(point) / "cgroup.controllers").read_text().split():
+        try:
+            controllers = (Path(point) / "cgroup.controllers").read_text().split()
+        except OSError:
+            controllers = []
+        if "cpu" not in controllers:
             why.append(f"cgroup v2 at {point} without the cpu controller")
             continue
         own = _own(None)
         here = _under(mroot, point, own) if own is not None else None
-        # A v2 cgroup holding processes cannot enable controllers for children: use the root, or the parent
-        # of our own cgroup (the legorl group then sits next to it).
+        # A v2 cgroup holding processes cannot enable controllers for children: the root, or next to ours.
         for parent in dict.fromkeys(p for p in (Path(point), here and here.parent) if p is not None):
             try:
-                return Support("cgroup2", _make_root(parent, "cgroup2"),
-                               f"cgroup v2: each sandbox in {parent / GROUP}/<sandbox> (cpu.weight {V2_WEIGHT}; "
-                               f"the sandboxes together {min(10_000, V2_WEIGHT * (os.cpu_count() or 1))})")
+                return Support("cgroup2", _usable(parent, "cgroup2"),
+                               f"cgroup v2: each sandbox in {parent}/{PREFIX}<sandbox>, cpu.weight {V2_WEIGHT} "
+                               "(one busy process)")
             except OSError as e:
-                why.append(f"cgroup v2: cannot create {parent / GROUP}: {e.strerror or e}")
+                why.append(f"cgroup v2: cannot make a cgroup in {parent}: {e.strerror or e}")
     for mroot, point, fstype, opts in mounts:  # the v1 cpu controller
         if fstype != "cgroup" or "cpu" not in opts.split(","):
             continue
@@ -137,11 +145,11 @@ def probe() -> Support:
         if here is None:
             continue
         try:
-            return Support("cgroup1", _make_root(here, "cgroup1"),
-                           f"cgroup v1 cpu controller: each sandbox in {here / GROUP}/<sandbox> (cpu.shares "
-                           f"{V1_SHARES}; the sandboxes together {V1_SHARES * (os.cpu_count() or 1)})")
+            return Support("cgroup1", _usable(here, "cgroup1"),
+                           f"cgroup v1 cpu controller: each sandbox in {here / PREFIX}<sandbox>, cpu.shares "
+                           f"{V1_SHARES} (one busy process)")
         except OSError as e:
-            why.append(f"cgroup v1 cpu at {point}: cannot create {here / GROUP}: {e.strerror or e}")
+            why.append(f"cgroup v1 cpu at {point}: cannot make a cgroup in {here}: {e.strerror or e}")
     if not mounts:
         why.append("no cgroup file system mounted")
     elif not why:
@@ -181,7 +189,7 @@ class CpuShare:
         if sup.root is None:
             return cls("nice", nice=NICE)
         slug = re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:40] + "-" + secrets.token_hex(4)
-        path = sup.root / slug
+        path = sup.root / (PREFIX + slug)
         try:
             path.mkdir()
             if sup.kind == "cgroup1":
@@ -230,7 +238,7 @@ def remove_empty() -> int:
     n = 0
     if root is None or not root.is_dir():
         return n
-    for d in root.iterdir():
+    for d in root.glob(PREFIX + "*"):
         if d.is_dir():
             try:
                 d.rmdir()
