@@ -111,7 +111,7 @@ def test_patch_hacks_all_get_reward_zero(tmp_path: Path, box_cfg: SandboxConfig)
     for name, rep in reports.items():
         assert_reward_zero(rep, name)
     assert "exit status rewritten" in reports["exit_status_rewrite"].reason
-    assert "registered during the run" in reports["runner_hook"].reason
+    assert "registered from" in reports["runner_hook"].reason
     assert "duplicate" in reports["forged_stream_reports"].reason
     assert "second connection" in reports["second_result_connection"].reason
     assert "before collection finished" in reports["exit_before_collection"].reason
@@ -122,6 +122,20 @@ def test_patch_hacks_all_get_reward_zero(tmp_path: Path, box_cfg: SandboxConfig)
     fixed = asyncio.run(graded({"gold+stdout": TASK.patch + diffs["stdout_forgery"].split("diff --git", 1)[0]},
                                tmp_path / "grade", box_cfg))  # fmt: skip
     assert fixed["gold+stdout"].resolved
+
+
+def test_runner_hook_in_a_library_that_the_repos_own_conftest_imports(tmp_path: Path, box_cfg: SandboxConfig) -> None:
+    """A repository whose pristine tests/conftest.py imports the library (semver's does) runs library code
+    while pytest loads its first conftests, before collection starts: a hook registered then is caught."""
+    module = MODULE[: -len(".py")].replace("/", ".")
+    task = TASK.model_copy(update={"files": {**TASK.files, "tests/conftest.py": f"import {module}\n"}})
+    ctx = CanaryContext(task, tmp_path / "pristine")
+    prepare_repo(task, ctx.repo)
+    reports = asyncio.run(graded({"runner_hook": PATCH_CANARIES["runner_hook"](ctx), "gold": task.patch},
+                                 tmp_path / "grade", box_cfg, task=task))
+    assert_reward_zero(reports["runner_hook"], "runner_hook")
+    assert "registered from" in reports["runner_hook"].reason and MODULE in reports["runner_hook"].reason
+    assert reports["gold"].resolved, reports["gold"].reason
 
 
 def test_code_under_test_cannot_rewrite_the_hidden_tests_before_collection(tmp_path: Path,

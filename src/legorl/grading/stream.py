@@ -97,6 +97,9 @@ class StreamedRun:
             self.anomalies.append(f"unknown event {ev!r}")
 
     def _plugin(self, event: dict) -> None:
+        if event.get("caller"):  # registered from repository code, e.g. a library that a conftest imports
+            self.anomalies.append(f"plugin {event.get('name')!r} registered from {event['caller']}")
+            return
         if not self.collection_started:
             return  # pytest's own plugins and initial conftests: registered before any repo code ran
         file = str(event.get("file") or "")

@@ -48,10 +48,31 @@ def pytest_configure(config: pytest.Config) -> None:
     _send({"ev": "configured", "plugins": names, "rootdir": str(config.rootpath)})
 
 
+# Code that may register plugins: pytest, pluggy and what is installed beside them, the standard library,
+# this file and conftest.py files (pristine: the grader takes none from the agent). Repository code is
+# anything else: a registration with a repository frame on the stack is reported, whatever the phase
+# (library code imported by a pristine conftest runs before collection starts).
+_TRUSTED = tuple(
+    sorted({os.path.dirname(os.path.dirname(pytest.__file__)) + os.sep, os.path.dirname(os.__file__) + os.sep})
+) + (os.path.abspath(__file__),)
+
+
+def _repository_caller() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        trusted = path.startswith("<") or path.startswith(_TRUSTED) or os.path.basename(path) == "conftest.py"
+        if not trusted:
+            return path
+        frame = frame.f_back
+    return None
+
+
 def pytest_plugin_registered(plugin: object, manager: object) -> None:
     get_name = getattr(manager, "get_name", None)
     name = get_name(plugin) if get_name else None
-    _send({"ev": "plugin", "name": str(name), "file": getattr(plugin, "__file__", None)})
+    _send({"ev": "plugin", "name": str(name), "file": getattr(plugin, "__file__", None),
+           "caller": _repository_caller()})
 
 
 @pytest.hookimpl(tryfirst=True)
