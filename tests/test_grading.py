@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -253,6 +255,19 @@ def test_verdict_needs_stream_exit_code_and_junit_to_agree() -> None:
         truncated.feed(ev)
     v = decide(truncated, ["t.py::a"], exit_code=0, timed_out=False, junit=None)
     assert v.outcome == Outcome.UNRESOLVED and "before collection finished" in v.reason
+
+
+def test_junit_key_matches_pytest_for_parameter_ids_holding_colons(tmp_path: Path) -> None:
+    """pytest splits the [params] off before the '::' path: 'ldap://[::1]' stays in the name."""
+    (tmp_path / "test_p.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('u', ['ldap://[::1]:389', 'a::b'])\n"
+        "def test_u(u):\n    assert u\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "j.xml",
+                          "test_p.py"], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    junit = parse_junit(tmp_path / "j.xml")
+    for node_id in ("test_p.py::test_u[ldap://[::1]:389]", "test_p.py::test_u[a::b]"):
+        assert junit[junit_key(node_id)] == "passed", (junit_key(node_id), junit)
 
 
 def test_junit_mapping_round_trip_and_garbled_reports(tmp_path: Path) -> None:

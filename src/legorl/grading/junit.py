@@ -16,11 +16,12 @@ class JUnitError(ValueError):
 
 def junit_key(node_id: str) -> tuple[str, str]:
     """(classname, name) pytest writes for a node id (mirrors pytest's mangle_test_address)."""
-    path, *rest = node_id.replace("::()", "").split("::")
+    address, bracket, params = node_id.replace("::()", "").partition("[")  # a parameter id may hold "::"
+    path, *rest = address.split("::")
     if not rest:
         raise ValueError(f"not a pytest test id: {node_id!r}")
     module = re.sub(r"\.py$", "", path.replace("/", "."))
-    return ".".join([module, *rest[:-1]]), rest[-1]
+    return ".".join([module, *rest[:-1]]), rest[-1] + bracket + params
 
 
 def parse_junit(path: Path) -> dict[tuple[str, str], str]:

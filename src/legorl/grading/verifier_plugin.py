@@ -61,7 +61,7 @@ def _repository_caller() -> str | None:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        trusted = path.startswith("<") or path.startswith(_TRUSTED) or os.path.basename(path) == "conftest.py"
+        trusted = path.startswith(("<", *_TRUSTED)) or os.path.basename(path) == "conftest.py"
         if not trusted:
             return path
         frame = frame.f_back
