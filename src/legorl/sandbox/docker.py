@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from legorl.sandbox.bwrap import (
@@ -163,25 +163,8 @@ def docker_run_argv(
     return argv
 
 
-async def _docker(*args: str, timeout: float = 60, docker_host: str | None = None) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=docker_env(docker_host)
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return -1, f"{' '.join(args[:3])} timed out after {timeout:.0f}s"
-    return proc.returncode or 0, out.decode(errors="replace")
-
-
-_DISCARDING: set[asyncio.Task] = set()
-
-
-async def _start_container(argv: list[str], name: str, timeout: float, docker_host: str | None) -> tuple[int, str]:
-    """`docker run -d`; a caller cancelled meanwhile leaves at once, and the container is removed once the
-    CLI is done starting it (removing it earlier could come before the engine made it)."""
+async def _run_cli(argv: list[str], timeout: float, docker_host: str | None,
+                   on_cancel: Callable[[asyncio.subprocess.Process], None] | None = None) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=docker_env(docker_host)
     )
@@ -190,8 +173,26 @@ async def _start_container(argv: list[str], name: str, timeout: float, docker_ho
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return -1, f"docker run timed out after {timeout:.0f}s"
+        return -1, f"{' '.join(argv[:3])} timed out after {timeout:.0f}s"
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel(proc)
+        raise
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def _docker(*args: str, timeout: float = 60, docker_host: str | None = None) -> tuple[int, str]:
+    return await _run_cli(list(args), timeout, docker_host)
+
+
+_DISCARDING: set[asyncio.Task] = set()
+
+
+async def _start_container(argv: list[str], name: str, timeout: float, docker_host: str | None) -> tuple[int, str]:
+    """`docker run -d`; a caller cancelled meanwhile leaves at once, and the container is removed once the
+    CLI is done starting it (removing it earlier could come before the engine made it)."""
+
+    def discard_later(proc: asyncio.subprocess.Process) -> None:
         async def discard() -> None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), timeout)
@@ -200,8 +201,8 @@ async def _start_container(argv: list[str], name: str, timeout: float, docker_ho
         task = asyncio.get_running_loop().create_task(discard())
         _DISCARDING.add(task)  # held: the cancelled creator no longer references it
         task.add_done_callback(_DISCARDING.discard)
-        raise
-    return proc.returncode or 0, out.decode(errors="replace")
+
+    return await _run_cli(argv, timeout, docker_host, discard_later)
 
 
 def _covers(hide_paths: Sequence[Path], binds: dict[str, Path], sandbox_dir: Path) -> dict[str, Path]:

@@ -7,17 +7,11 @@ import signal
 
 
 def children_map() -> dict[int, list[int]]:
+    from legorl.sandbox.sandbox_agent import scan_processes  # the agent's /proc reader (stdlib only)
+
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
+    for pid, (ppid, *_rest) in scan_processes().items():
+        children.setdefault(ppid, []).append(pid)
     return children
 
 

@@ -112,7 +112,7 @@ def _prctl():
     return PRCTL[0]
 
 
-def _scan() -> dict:
+def scan_processes() -> dict:
     """Every process of the sandbox (its own pid namespace): pid -> (ppid, state, threads, name)."""
     import os
 
@@ -191,7 +191,7 @@ def _end_tree(root: int, budget: float = 10.0) -> tuple:
     frozen, at_limit, first = {}, False, True
     deadline = time.monotonic() + budget
     while time.monotonic() < deadline:
-        procs = _scan()
+        procs = scan_processes()
         if first:
             at_limit, first = _at_limit(procs), False
         tree = [root, *_below(root, procs)] if root in procs else []
@@ -233,7 +233,7 @@ def _declare(reason: str) -> str:
 
 
 def _exhausted(what: str) -> str:
-    procs = _scan()
+    procs = scan_processes()
     names = [procs[p][3] for p in procs if p != 1]
     limit = f" of {NPROC_LIMIT[0]}" if NPROC_LIMIT[0] else ""
     return _declare(f"process limit exhausted: fork bomb? {_tasks(procs)}{limit} processes and threads of the "
