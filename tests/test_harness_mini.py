@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from helpers import run_mini_episode
+
 from legorl.config import HarnessConfig
 from legorl.engine import ScriptedEngine
 from legorl.grading.grader import EMPTY_PATCH_REASON
@@ -12,9 +14,9 @@ from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.proxy.server import Proxy
 from legorl.records import Outcome
 from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.rollout.teacher import teacher_script
 from legorl.store import Store
 from legorl.tasks import builtin_splits
-from legorl.rollout.teacher import teacher_script
 
 
 async def _episodes(tokenizer, run_dir: Path, scripts):
@@ -70,23 +72,8 @@ def test_mini_swe_agent_solves_with_correct_script_and_fails_with_wrong(tokenize
 
 def test_harness_without_model_calls_is_not_a_success(tokenizer, tmp_path):
     """mini exits before its first call (its template fails to render): no_model_calls, masked, no reward."""
-    async def main():
-        store = Store(tmp_path / "store.sqlite")
-        engine = ScriptedEngine(tokenizer)
-        proxy = Proxy(engine, tokenizer, on_call=store.add_call)
-        await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
-        cfg = HarnessConfig(instance_template="{{ no_such_variable }}")
-        harness = MiniSweAgentHarness(cfg, command_timeout=20, log_dir=tmp_path / "logs")
-        await harness.start()
-        task = builtin_splits(1, 0, seed=9)[0][0]
-        ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path, label="t",
-                             agent_timeout=60, grading_timeout=60, hide_paths=[tmp_path])
-        try:
-            return await run_episode(ctx, task, step=0, group_id="g", sample_index=0)
-        finally:
-            await harness.close()
-            await proxy.stop()
-
-    r = asyncio.run(main())
+    r = run_mini_episode(tokenizer, tmp_path, builtin_splits(1, 0, seed=9)[0][0],
+                         HarnessConfig(instance_template="{{ no_such_variable }}"), label="t", agent_timeout=60,
+                         grading_timeout=60)
     assert r.outcome == Outcome.NO_MODEL_CALLS, r.outcome_reason
     assert r.reward is None and r.report is None

@@ -11,20 +11,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import wait_until_async
+from helpers import run_mini_episode, wait_until_async
 
 from legorl.config import HarnessConfig
-from legorl.engine import ScriptedEngine
-from legorl.harness.mini_swe_agent import MiniSweAgentHarness
-from legorl.proxy.server import Proxy
 from legorl.records import Outcome
-from legorl.rollout.episode import EpisodeContext, run_episode
 from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.rollout.teacher import _turn
 from legorl.sandbox import SandboxError, SandboxLimits, cpushare
 from legorl.sandbox.bwrap import BwrapSandbox, process_tree
 from legorl.sandbox.procs import alive, cmdline
-from legorl.store import Store
 from legorl.tasks import builtin_splits
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -199,24 +194,9 @@ def test_rollout_with_an_exhausted_process_budget_ends_as_sandbox_error(tokenize
     sandbox_error with the reason (masked), not as a string of failed commands graded as a failure."""
     turns = [_turn("Start a helper.", ": > go; " + START_FILLER)] + [_turn("Go on.", "echo hi")] * 10
 
-    async def main():
-        store = Store(tmp_path / "store.sqlite")
-        engine = ScriptedEngine(tokenizer)
-        proxy = Proxy(engine, tokenizer, on_call=store.add_call)
-        await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
-        harness = MiniSweAgentHarness(HarnessConfig(step_limit=12), command_timeout=30, log_dir=tmp_path / "logs")
-        await harness.start()
-        task = builtin_splits(1, 0, seed=3)[0][0]
-        ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path,
-                             label="runaway", agent_timeout=120, grading_timeout=60, hide_paths=[tmp_path],
-                             script_for=lambda t, h: turns, limits=SandboxLimits(processes=32))
-        try:
-            return await run_episode(ctx, task, step=0, group_id="g", sample_index=0)
-        finally:
-            await harness.close()
-            await proxy.stop()
-
-    r = asyncio.run(main())
+    r = run_mini_episode(tokenizer, tmp_path, builtin_splits(1, 0, seed=3)[0][0], HarnessConfig(step_limit=12),
+                         command_timeout=30, label="runaway", agent_timeout=120, grading_timeout=60,
+                         script_for=lambda t, h: turns, limits=SandboxLimits(processes=32))
     assert r.outcome == Outcome.SANDBOX_ERROR, (r.outcome, r.outcome_reason)
     assert r.outcome_reason.startswith("process limit exhausted: fork bomb?"), r.outcome_reason
     assert r.reward is None and r.report is None
