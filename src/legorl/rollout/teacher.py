@@ -7,16 +7,26 @@ for a tool call, so the recorded tokens are what the policy should learn to emit
 Each harness is played through its own shell tool (`TOOL_STYLES`): mini-swe-agent's
 `bash`, Claude Code's `Bash`, Codex's `exec_command`; mini-swe-agent finishes with its
 submit command, the CLIs with a reply that calls no tool.
+
+Repository-snapshot tasks (mined by `legorl tasks synth`, SWE-bench rows) carry no inline
+`files`: the script takes the file, the lines and the edit from the gold patch's headers and
+hunks, reads the buggy file from the snapshot at `base_commit` where it needs its text, and
+plays the fix with `sed` too: a one-line change as `s|old|new|`, a multi-line one (a dropped
+branch restored) as line-addressed `c` / `a` / `d` commands, every hunk in one `sed -i`.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from legorl.models.tokenizer import render_tool_call_text
+from legorl.tasks.repo import GIT_OPTS, git_env
 from legorl.tasks.schema import Task
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -70,6 +80,91 @@ def gold_line_edit(patch: str) -> LineEdit:
     if path is None or len(removed) != 1 or len(added) != 1:
         raise ValueError("the gold patch is not a one-line change in one file; write a teacher script by hand")
     return LineEdit(path.group(1), removed[0], added[0], line)
+
+
+@dataclass
+class Block:
+    """One contiguous change of a hunk, in the buggy file's line numbers."""
+
+    start: int  # first removed line; for a pure insertion, the line it goes after (0: the top)
+    removed: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FileEdit:
+    """What a gold patch changes in one file, and the window of the buggy file its hunks show."""
+
+    path: str
+    blocks: list[Block]
+    first: int  # first and last line of the hunks' old side (context included)
+    last: int
+
+
+def gold_file_edits(patch: str) -> list[FileEdit]:
+    """Every file a unified diff changes, with its change blocks (hunk headers give the line numbers)."""
+    edits: list[FileEdit] = []
+    block: Block | None = None
+    at = 0
+    for text in patch.splitlines():
+        if text.startswith(("diff --git ", "--- ")):
+            block = None
+            continue
+        if text.startswith("+++ "):
+            path = text[4:].split("\t")[0]
+            if path == "/dev/null":
+                raise ValueError("the gold patch deletes a file; write a teacher script by hand")
+            edits.append(FileEdit(path.removeprefix("b/"), [], 0, 0))
+            continue
+        if hunk := re.match(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", text):
+            if not edits:
+                raise ValueError("a hunk before any file header in the gold patch")
+            at, count = int(hunk.group(1)), int(hunk.group(2) or 1)
+            if count == 0:  # `-N,0`: nothing of the old side shown; the insertion goes after line N
+                at += 1
+            edit = edits[-1]
+            edit.first = edit.first or max(at, 1)
+            edit.last = max(edit.last, at + count - 1)
+            block = None
+            continue
+        if not edits or not at or text.startswith("\\"):  # `\ No newline at end of file`
+            continue
+        if text.startswith("-"):
+            if block is None or block.added:
+                block = Block(at)
+                edits[-1].blocks.append(block)
+            block.removed.append(text[1:])
+            at += 1
+        elif text.startswith("+"):
+            if block is None:
+                block = Block(at - 1)
+                edits[-1].blocks.append(block)
+            block.added.append(text[1:])
+        else:  # context
+            block = None
+            at += 1
+    edits = [e for e in edits if e.blocks]
+    if not edits:
+        raise ValueError("the gold patch changes nothing")
+    return edits
+
+
+@functools.lru_cache(maxsize=256)
+def _snapshot_file(repo: str, commit: str, path: str) -> str:
+    proc = subprocess.run(["git", *GIT_OPTS, "show", f"{commit}:{path}"], cwd=repo, env=git_env(Path(repo)),
+                          capture_output=True, timeout=60, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise ValueError(f"cannot read {path} at {commit[:12]} in {repo}: {proc.stderr.decode(errors='replace')[-300:]}")
+    return proc.stdout.decode("utf-8", errors="replace")
+
+
+def buggy_source(task: Task, path: str) -> str:
+    """The buggy file's text: the task's inline `files`, else the snapshot at `base_commit` (a git repo_path)."""
+    if path in task.files:
+        return task.files[path]
+    if task.repo_path and (Path(task.repo_path) / ".git").exists() and task.base_commit:
+        return _snapshot_file(str(Path(task.repo_path).resolve()), task.base_commit, path)
+    raise ValueError(f"task {task.instance_id}: no inline {path} and no git snapshot to read it from")
 
 
 # What bash still interprets inside double quotes: `"$`, a backslash before another backslash or at
@@ -135,7 +230,10 @@ def slipped_sed(task: Task, edit: LineEdit, path: str) -> str | None:
     It is the kind of slip the small policy makes most: a pattern that is not in the file, so sed
     succeeds and nothing changes.
     """
-    source = task.files.get(edit.path, "")
+    return _slipped(task.files.get(edit.path, ""), edit, path)
+
+
+def _slipped(source: str, edit: LineEdit, path: str) -> str | None:
     old, new = minimal_replacement(source, edit.old, edit.new)
     if new in source or not new.strip():
         return None
@@ -169,6 +267,63 @@ def source_files(task: Task) -> list[str]:
                   if path.endswith(".py") and "tests" not in path.split("/")[:-1] and "def " in text)
 
 
+def _sed_text(lines: list[str]) -> str:
+    """Text for sed's one-line `c`, `a`, `i` commands: lines joined by a backslash-n, backslashes doubled (GNU sed)."""
+    return "\\n".join(line.replace("\\", "\\\\") for line in lines)
+
+
+def block_script(block: Block) -> str:
+    """The sed command that makes one change block, addressed by the buggy file's line numbers."""
+    if not block.removed:
+        return f"{block.start}a\\{_sed_text(block.added)}" if block.start else f"1i\\{_sed_text(block.added)}"
+    where = f"{block.start},{block.start + len(block.removed) - 1}" if len(block.removed) > 1 else f"{block.start}"
+    return f"{where}c\\{_sed_text(block.added)}" if block.added else f"{where}d"
+
+
+def lines_sed_command(edit: FileEdit) -> str:
+    """One `sed -i` making every block of a file edit: sed addresses input lines, so earlier blocks never
+    shift later ones."""
+    scripts = [block_script(b) for b in edit.blocks]
+    if len(scripts) == 1:
+        return _sed(scripts[0], edit.path)
+    return "sed -i " + " ".join("-e '" + sc.replace("'", "'\\''") + "'" for sc in scripts) + f" {edit.path}"
+
+
+def snapshot_script(task: Task, solve: bool, check_edits: bool, slip: bool, style: ToolStyle) -> list[str]:
+    """Turns for a task without inline files: read the window the gold hunks show, make the edit, submit.
+
+    The path comes from the gold patch, as a careful agent would have found it from the failing test.
+    A one-line change in one file is a `s|old|new|` (line-addressed when the old text repeats), the same
+    edit the built-in scripts teach; anything else is line-addressed `c` / `a` / `d`, so the read shows
+    line numbers.
+    """
+    edits = gold_file_edits(task.patch)
+    check = CHECK if check_edits else ""
+    turns = [_turn("Let me read the code.", " && ".join(
+        f"nl -ba {e.path} | sed -n '{max(1, e.first - 2)},{e.last + 2}p'" for e in edits), style)]
+    if solve:
+        one = edits[0] if len(edits) == 1 else None
+        block = one.blocks[0] if one and len(one.blocks) == 1 else None
+        fixes: list[str] = []
+        missed = None
+        if one and block and len(block.removed) == 1 and len(block.added) == 1:
+            source = buggy_source(task, one.path)
+            line_edit = LineEdit(one.path, block.removed[0], block.added[0], block.start)
+            repeats = sum(line_edit.old.strip() in text for text in source.splitlines()) > 1
+            fixes.append(sed_command(line_edit, block.start if repeats else None, source, one.path))
+            if slip and check_edits and not repeats:
+                missed = _slipped(source, line_edit, one.path)
+        else:
+            fixes = [lines_sed_command(e) for e in edits]
+        if missed:
+            turns.append(Slip(_turn("This line is wrong. Let me fix it.", missed + check, style)))
+            turns.append(_turn("That changed nothing. Let me fix it again.", fixes[0] + check, style))
+        else:
+            turns += [_turn("This is wrong. Let me fix it.", fix + check, style) for fix in fixes]
+    turns.append(_turn("Done. Let me submit.", style.submit, style) if style.submit else DONE)
+    return turns
+
+
 def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, check_edits: bool = False,
                    slip: bool = False, harness: str = "mini-swe-agent") -> list[str]:
     """Assistant turns for one episode: read the function's file, fix the line, submit.
@@ -186,6 +341,8 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     harness: whose shell tool the turns call and how the episode ends (`TOOL_STYLES`).
     """
     style = TOOL_STYLES[harness]
+    if not task.files:  # a repository snapshot: everything comes from the gold patch
+        return snapshot_script(task, solve, check_edits, slip, style)
     edit = gold_line_edit(task.patch)
     line = edited_line(task, edit)
     where = SOURCES if source_files(task) == [edit.path] else f"$(grep -rl 'def {function_name(task, edit)}' .)"
