@@ -31,9 +31,10 @@ def _validate(result: PackageResult, out: Path, timeout: float, concurrency: int
 
     if not result.rows:
         return {}
-    # repo_path is relative to the output dir, as load_jsonl would resolve it from out/tasks.jsonl
+    # repo_path and environment are relative to the output dir, as load_jsonl resolves them from out/tasks.jsonl
     tasks = [
-        Task.model_validate({**r, "repo_path": str((out / r["repo_path"]).resolve())}) for r in result.rows
+        Task.model_validate({**r, **{k: str((out / r[k]).resolve()) for k in ("repo_path", "environment") if r.get(k)}})
+        for r in result.rows
     ]
     with tempfile.TemporaryDirectory(prefix="legorl-synth-validate-") as work:
         results = asyncio.run(
@@ -96,6 +97,14 @@ def synth_command(
         float, typer.Option("--validate-timeout", help="seconds per grading")
     ] = 120.0,
     concurrency: Annotated[int, typer.Option("--concurrency", help="gradings at once per task")] = 2,
+    environments: Annotated[
+        bool,
+        typer.Option("--environments/--no-environments",
+                     help="build each package's task environment (its test dependencies from PyPI) once"),
+    ] = True,
+    env_timeout: Annotated[
+        float, typer.Option("--env-timeout", help="seconds for one environment build")
+    ] = 600.0,
 ) -> None:
     """Mine SWE-bench-style tasks from real Python packages by planting bugs.
 
@@ -124,7 +133,8 @@ def synth_command(
     except (ValueError, RuntimeError) as e:
         _fail(str(e))
     cfg = SynthConfig(n=n, seed=seed, max_attempts=max_attempts, max_hidden_files=max_hidden_files, timeout=timeout,
-                      heldout_fraction=heldout_fraction, operators=tuple(operator) if operator else None)  # fmt: skip
+                      heldout_fraction=heldout_fraction, operators=tuple(operator) if operator else None,
+                      environments=environments, env_timeout=env_timeout)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     cache = cache or Path(tempfile.gettempdir()) / "legorl-sdists"
     console = Console(stderr=True)
@@ -145,6 +155,8 @@ def synth_command(
             ) -> None:
                 if kind == "package":
                     state["name"] = info["name"]
+                elif kind == "stage" and info["stage"] == "environment":
+                    bar.update(job, description=f"{state['name']}: building its test environment")
                 elif kind == "stage" and info["stage"] == "baseline":
                     bar.update(job, description=f"{state['name']}: its own test suite (twice)")
                 elif kind == "stage":

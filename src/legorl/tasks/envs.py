@@ -9,18 +9,26 @@ change it, and tasks of one package share one build.
 ``build_environment(requirements, dest)`` builds one, or finds it already built for the same
 requirements (a ``.legorl-env.json`` stamp). A build that fails or outlasts its timeout raises
 ``TaskEnvironmentError`` with the reason, and leaves nothing half-built at ``dest``.
+
+``suite_requirements(root)`` reads what a package's tests need from its sdist (``legorl tasks synth``
+builds that once per package and names it in every task it mines from the package).
 """
 
 from __future__ import annotations
 
+import ast
+import configparser
+import email.parser
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -102,3 +110,141 @@ def build_environment(
         return dest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- what a package's tests need ------------------------------------------------------------------
+
+# Extras and dependency groups that hold test dependencies; "dev" only where none of these exists.
+TEST_EXTRAS = ("test", "tests", "testing")
+# Tooling, not test dependencies: the runner is the sandbox's own pytest (a second one on PYTHONPATH would
+# shadow it and the grader's verifier plugin), plugins are never auto-loaded there, and the rest (coverage,
+# linters, docs, packaging) does not change a test's outcome.
+TOOLING = re.compile(
+    r"^(pytest([-_].*)?|coverage|covdefaults|codecov|tox|nox|flake8.*|pyflakes|pycodestyle|pylint|mypy|ruff|"
+    r"black|isort|pre[-_]commit|sphinx.*|furo|twine|wheel|setuptools.*|build|check[-_]manifest|pyright|"
+    r"types[-_].*|bandit|docutils|readme[-_]renderer|pip|virtualenv|"
+    # pytest's own dependencies: the runner's versions, never shadowed by a lockfile's pins
+    r"pluggy|iniconfig|packaging|pygments|exceptiongroup|tomli|colorama)$",
+    re.IGNORECASE,
+)
+REQUIREMENT_FILES = ("requirements-test.txt", "requirements_test.txt", "test-requirements.txt",
+                     "test_requirements.txt", "requirements-tests.txt", "requirements/test.txt",
+                     "requirements/tests.txt", "requirements/testing.txt", "tests/requirements.txt")  # fmt: skip
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[\s\[<>=!~;@(]", spec.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _applies(spec: str, extras: Sequence[str]) -> str | None:
+    """``spec`` without its marker when the marker holds here for no extra or one of ``extras``, else None."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        req = Requirement(spec)
+    except InvalidRequirement:
+        return None
+    if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+        return None
+    req.marker = None
+    return str(req)
+
+
+def _setup_py_requirements(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """Literal ``install_requires`` / ``tests_require`` / ``extras_require`` of a ``setup(...)`` call."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return [], {}
+    base: list[str] = []
+    extras: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "setup"):
+            continue
+        for kw in node.keywords:
+            try:
+                value = ast.literal_eval(kw.value)
+            except (ValueError, SyntaxError, TypeError):
+                continue
+            if kw.arg in ("install_requires", "tests_require") and isinstance(value, (list, tuple)):
+                base += [v for v in value if isinstance(v, str)]
+            elif kw.arg == "extras_require" and isinstance(value, dict):
+                extras.update({k: [v for v in vs if isinstance(v, str)] for k, vs in value.items()
+                               if isinstance(vs, (list, tuple))})  # fmt: skip
+    return base, extras
+
+
+def _cfg_lines(value: str) -> list[str]:
+    return [x.strip() for x in value.splitlines() if x.strip() and not x.strip().startswith("#")]
+
+
+def _requirements_file(path: Path) -> list[str]:
+    return [ln.split(" #")[0].strip() for ln in path.read_text(errors="replace").splitlines()
+            if ln.strip() and not ln.lstrip().startswith(("#", "-"))]  # fmt: skip
+
+
+def suite_requirements(root: Path, name: str = "") -> list[str]:
+    """What a package's test suite needs from PyPI, read from its sdist: its runtime dependencies and its
+    test extras / dependency groups / requirements files (pyproject.toml, setup.cfg, a literal setup.py,
+    PKG-INFO), markers evaluated for this interpreter, tooling and the package itself left out. Sorted."""
+    root = Path(root)
+    base: list[str] = []
+    extras: dict[str, list[str]] = {}
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file():
+        try:
+            data = tomllib.loads(pyproject.read_text(errors="replace"))
+        except tomllib.TOMLDecodeError:
+            data = {}
+        project = data.get("project", {})
+        name = name or str(project.get("name", ""))
+        base += [d for d in project.get("dependencies", []) if isinstance(d, str)]
+        for group in (project.get("optional-dependencies", {}), data.get("dependency-groups", {})):
+            for k, vs in group.items():
+                extras.setdefault(k, []).extend(v for v in vs if isinstance(v, str))
+    setup_cfg = root / "setup.cfg"
+    if setup_cfg.is_file():
+        cp = configparser.ConfigParser(interpolation=None)
+        try:
+            cp.read_string(setup_cfg.read_text(errors="replace"))
+        except configparser.Error:
+            cp = configparser.ConfigParser()
+        if cp.has_option("options", "install_requires"):
+            base += _cfg_lines(cp.get("options", "install_requires"))
+        if cp.has_option("options", "tests_require"):
+            base += _cfg_lines(cp.get("options", "tests_require"))
+        if cp.has_section("options.extras_require"):
+            for k, v in cp.items("options.extras_require"):
+                extras.setdefault(k, []).extend(_cfg_lines(v))
+    if (root / "setup.py").is_file():
+        b, e = _setup_py_requirements((root / "setup.py").read_text(errors="replace"))
+        base += b
+        for k, vs in e.items():
+            extras.setdefault(k, []).extend(vs)
+    pkg_info = root / "PKG-INFO"
+    wanted = [e for e in extras if e.lower() in TEST_EXTRAS] or [e for e in extras if e.lower() == "dev"]
+    if pkg_info.is_file():  # Requires-Dist: what the build backend made of all the above
+        msg = email.parser.Parser().parsestr(pkg_info.read_text(errors="replace"))
+        name = name or msg.get("Name", "")
+        test_extras = [e for e in msg.get_all("Provides-Extra") or [] if e.lower() in TEST_EXTRAS]
+        wanted += [e for e in test_extras if e not in wanted]
+        base += [r for r in msg.get_all("Requires-Dist") or [] if _applies(r, test_extras) is not None]
+    for rel in REQUIREMENT_FILES:
+        if (root / rel).is_file():
+            base += _requirements_file(root / rel)
+    specs = [*base, *(s for e in wanted for s in extras.get(e, []))]
+    own = _requirement_name(name) if name else ""
+    out: dict[str, str] = {}
+    for spec in specs:
+        applied = _applies(spec, wanted)
+        if applied is None:
+            continue
+        key = _requirement_name(applied)
+        if key and key != own and not TOOLING.match(key):
+            out.setdefault(key, applied)
+    return sorted(out.values())
+
+
+def installed_distributions(env: Path) -> list[str]:
+    """``name==version`` of every distribution in a built environment (what the build resolved to)."""
+    return sorted(p.name.removesuffix(".dist-info").replace("-", "==", 1) for p in Path(env).glob("*.dist-info"))

@@ -4,14 +4,18 @@ For each package (``NAME==VERSION`` from PyPI, or a local sdist / source directo
 
 1. fetch the sdist (source only, sha256 checked against PyPI) and unpack it;
 2. snapshot it as a git repository under ``OUT/repos/NAME-VERSION`` (commit ``pristine`` on ``main``);
-3. run its own test suite twice (``synth_runner``): the tests passing both times, one result per
+3. build its task environment once when its tests need more than the standard library and pytest
+   (``envs.suite_requirements``: a ``pip install --target OUT/envs/NAME-VERSION``, read-only on
+   ``PYTHONPATH`` in every test run here and in every sandbox of its tasks: rows name it in
+   ``environment``); a build that fails or times out is the package's typed error, not a crash;
+4. run its own test suite twice (``synth_runner``): the tests passing both times, one result per
    phase, in files that collect cleanly, are usable; the first run records which tests execute
    which source lines;
-4. take candidate bugs (``mutate.py``) on lines some test executes, in a seeded order that
+5. take candidate bugs (``mutate.py``) on lines some test executes, in a seeded order that
    alternates operators, and for each run the test files that execute the line: keep it when at
    least one usable test fails, the failing tests live in at most ``max_hidden_files`` files, the
    failure reproduces when only those files run, and the pristine sources pass them again;
-5. write the task: its base commit (the buggy sources without the hidden test files, tagged
+6. write the task: its base commit (the buggy sources without the hidden test files, tagged
    with the instance id in the snapshot), the gold ``patch`` (the reverse of the bug), the
    ``test_patch`` adding the hidden test files back, ``FAIL_TO_PASS`` (the failing tests),
    ``PASS_TO_PASS`` (the other usable tests of those files) and a ``problem_statement`` written
@@ -46,6 +50,7 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from legorl.tasks.envs import build_environment, installed_distributions, suite_requirements
 from legorl.tasks.mutate import Mutation, find_mutations, mutant_ok
 from legorl.tasks.repo import GIT_OPTS, git_env
 from legorl.tasks.schema import TaskError
@@ -89,6 +94,9 @@ class SynthConfig:
     baseline_timeout: float = 900.0
     heldout_fraction: float = 0.0
     operators: tuple[str, ...] | None = None
+    environments: bool = True  # build each package's task environment (its test dependencies) once
+    env_timeout: float = 600.0  # seconds for one environment build
+    env_pip_args: tuple[str, ...] = ()  # e.g. an index or --no-index --find-links DIR
 
 
 @dataclass
@@ -104,6 +112,9 @@ class PackageResult:
     seconds: float = 0.0  # fetching, baseline and mutants
     validate_s: float = 0.0  # the `legorl tasks validate` checks (set by the command)
     error: str = ""
+    requirements: list[str] = field(default_factory=list)  # what its tests need (legorl.tasks.envs)
+    environment: list[str] = field(default_factory=list)  # what the build installed (name==version)
+    environment_s: float = 0.0
 
 
 Progress = Callable[[str, dict[str, Any]], None]
@@ -575,6 +586,15 @@ def _search(source: PackageSource, out: Path, cfg: SynthConfig, runner: Runner, 
         raise TaskError(f"{source.slug}: the sdist ships no test files (test_*.py / *_test.py)")
     work = tmp / "work"
     shutil.copytree(root, work, symlinks=True)
+    env_rel = None
+    result.requirements = suite_requirements(root, source.name) if cfg.environments else []
+    if result.requirements:  # built once; every test run here and every sandbox of its tasks sees it
+        emit("stage", {"stage": "environment"})
+        t = time.monotonic()
+        env = build_environment(result.requirements, out / "envs" / source.slug, timeout=cfg.env_timeout,
+                                pip_args=cfg.env_pip_args)  # fmt: skip
+        result.environment_s, result.environment = time.monotonic() - t, installed_distributions(env)
+        runner, env_rel = runner.with_environment(env), f"envs/{source.slug}"
     emit("stage", {"stage": "baseline"})
     t = time.monotonic()
     base = _baseline(runner, work, tests, args, srcs, cfg)
@@ -625,14 +645,14 @@ def _search(source: PackageSource, out: Path, cfg: SynthConfig, runner: Runner, 
             emit("tried", {"kept": False, "reason": v.reason})
             continue
         kept_lines.add((m.path, m.line))
-        result.rows.append(_row(source, repo, pristine, v, work, cfg))
+        result.rows.append(_row(source, repo, pristine, v, work, cfg, env_rel))
         emit("tried", {"kept": True, "reason": ""})
     if not result.rows:
         shutil.rmtree(repo, ignore_errors=True)
 
 
 def _row(
-    source: PackageSource, repo: Path, pristine: str, v: _Verdict, work: Path, cfg: SynthConfig
+    source: PackageSource, repo: Path, pristine: str, v: _Verdict, work: Path, cfg: SynthConfig, env: str | None
 ) -> dict[str, Any]:
     m = v.mutation
     iid = f"{normalize(source.name)}-{source.version}__{m.key}"
@@ -654,6 +674,7 @@ def _row(
         "PASS_TO_PASS": json.dumps(v.p2p),
         "repo_path": f"repos/{source.slug}",
         "test_command": pytest_command(pytest_args(work)),
+        **({"environment": env} if env else {}),  # relative to the tasks file, as repo_path
         "family": f"synth-{m.operator}",
         "split": "heldout" if heldout else "train",
         "synth": {
@@ -706,6 +727,9 @@ def summary(results: list[PackageResult]) -> dict[str, Any]:
                 "baseline_s": round(r.baseline_s, 1),
                 "seconds": round(r.seconds, 1),
                 "validate_s": round(r.validate_s, 1),
+                "requirements": r.requirements,
+                "environment": r.environment,
+                "environment_s": round(r.environment_s, 1),
                 "error": r.error,
             }
             for r in results

@@ -5,7 +5,8 @@ The suite is foreign code, so every run is time-limited (the whole process group
 the deadline), niced, memory-limited and, where ``bwrap`` works, sandboxed: a read-only view of
 the system dirs and the Python runtime only, the repository copy and a control dir writable, a
 private ``/tmp``, no network and its own pid namespace. ``sandbox="none"`` (or ``auto`` on a host
-without a working bubblewrap) keeps only the limits.
+without a working bubblewrap) keeps only the limits. A package's task environment
+(``with_environment``) is on ``PYTHONPATH``, read-only, as in the grader's sandboxes.
 
 Results come from a small pytest plugin (stdlib + pytest only) that writes one JSON file: every
 test's outcome (a test passes when setup, call and teardown all pass), the failure's traceback
@@ -16,6 +17,7 @@ from ``sys.settrace`` restricted to the package's source files.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -245,6 +247,13 @@ class Runner:
         self.nice = nice
         self.memory_mb = memory_mb
         self.python = python or sys.executable
+        self.environment: Path | None = None  # a task environment (legorl.tasks.envs): read-only, on PYTHONPATH
+
+    def with_environment(self, environment: Path | None) -> Runner:
+        """This runner for one package: its test runs see ``environment`` as its sandboxes will."""
+        other = copy.copy(self)
+        other.environment = Path(environment).resolve() if environment else None
+        return other
 
     def _limits(self) -> None:  # runs in the child before exec
         os.nice(self.nice)
@@ -272,7 +281,7 @@ class Runner:
             (ctl / f"{PLUGIN_NAME}.py").write_text(PLUGIN_SOURCE)
             env = {
                 "PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin",
-                "PYTHONPATH": str(ctl),
+                "PYTHONPATH": f"{ctl}:{self.environment}" if self.environment else str(ctl),
                 "PYTHONDONTWRITEBYTECODE": "1",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                 "PYTEST_ADDOPTS": "",
@@ -286,7 +295,10 @@ class Runner:
             cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN_NAME,
                    f"--rootdir={repo}", *pytest_args, *paths]  # fmt: skip
             if self.sandbox == "bwrap":
-                cmd = [*bwrap_prefix([repo, ctl], chdir=repo), *cmd]
+                prefix = bwrap_prefix([repo, ctl], chdir=repo)
+                if self.environment:  # read-only, at its host path (PYTHONPATH names it)
+                    prefix[-1:-1] = ["--ro-bind", str(self.environment), str(self.environment)]
+                cmd = [*prefix, *cmd]
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 cmd, cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

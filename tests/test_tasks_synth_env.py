@@ -1,0 +1,156 @@
+"""`legorl tasks synth` with task environments: a package's test dependencies read from its sdist, built
+once (offline here: a local wheelhouse), used by its test runs, named in every row it yields and mounted by
+the grader; a build that fails or outlasts its timeout is the package's typed error, never a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from legorl.tasks.envs import STAMP, built, suite_requirements
+from legorl.tasks.loaders import load_jsonl
+from legorl.tasks.synth import SynthConfig, summary, synthesize_package, write_rows
+from legorl.tasks.synth_runner import Runner
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_suite_requirements_reads_extras_groups_setup_files_and_markers(tmp_path: Path) -> None:
+    root = _write(tmp_path / "p", {
+        "pyproject.toml": """\
+            [project]
+            name = "My_Pkg"
+            version = "1.0"
+            dependencies = ["attrs>=22", "tomli; python_version < '3.0'"]
+            [project.optional-dependencies]
+            test = ["pytest>=7", "pytest-cov", "freezegun", "my-pkg[extra]", "coverage[toml]"]
+            docs = ["sphinx", "furo", "markdown"]
+            [dependency-groups]
+            tests = ["hypothesis>=6", {include-group = "test"}]
+            """,
+        "setup.cfg": "[options]\ninstall_requires =\n    six\n[options.extras_require]\ntesting =\n    pretend\n",
+        "setup.py": "from setuptools import setup\nsetup(tests_require=['mock'], extras_require={'test': ['wcwidth']})\n",
+        "requirements/tests.txt": "# pinned\niniconfig==2.0.0\npluggy==1.4.0\nfreezegun==1.4.0\n-r base.txt\n",
+    })  # fmt: skip
+    # pytest, its plugins and its own dependencies stay the runner's; docs extras and the package itself are not
+    # test dependencies; a marker false here drops its requirement; a requirements file's pin comes before an
+    # extra's spelling of the same name.
+    assert suite_requirements(root) == ["attrs>=22", "freezegun==1.4.0", "hypothesis>=6", "mock", "pretend", "six",
+                                        "wcwidth"]  # fmt: skip
+    assert suite_requirements(_write(tmp_path / "bare", {"setup.py": "import setuptools\n"})) == []
+
+
+WHEEL_SRC = {
+    "pyproject.toml": """\
+        [build-system]
+        requires = ["setuptools"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "envdep"
+        version = "0.3"
+        """,
+    "envdep/__init__.py": "def double(x):\n    return 2 * x\n",
+}
+
+PKG = {
+    "pyproject.toml": """\
+        [project]
+        name = "usesdep"
+        version = "0.1"
+        dependencies = ["envdep"]
+        """,
+    "usesdep/__init__.py": """\
+        from envdep import double
+
+
+        def quad(x):
+            return double(x) + double(x)
+
+
+        def is_big(x):
+            return quad(x) > 100
+        """,
+    "tests/test_usesdep.py": """\
+        from usesdep import is_big, quad
+
+
+        def test_quad():
+            assert quad(3) == 12
+
+
+        def test_big():
+            assert is_big(30) and not is_big(2)
+        """,
+}
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("wheels")
+    src = _write(base / "envdep-src", WHEEL_SRC)
+    house = base / "house"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-index", "--no-build-isolation",
+                    "--no-deps", "-w", str(house), str(src)], check=True, capture_output=True)  # fmt: skip
+    return house
+
+
+def _cfg(wheelhouse: Path, **kw) -> SynthConfig:
+    return SynthConfig(n=1, seed=0, max_attempts=6, env_pip_args=("--no-index", "--find-links", str(wheelhouse)),
+                       **kw)  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+def test_synth_builds_the_environment_once_uses_it_and_the_grader_mounts_it(wheelhouse: Path, tmp_path: Path) -> None:
+    from legorl.grading.validate import validate_task
+
+    pkg = _write(tmp_path / "usesdep-src", PKG)
+    out = tmp_path / "out"
+    # Without its environment the suite cannot import its dependency: nothing passes, nothing to mine.
+    bare = synthesize_package(str(pkg), out, _cfg(wheelhouse, environments=False), runner=Runner(),
+                              cache=tmp_path / "c")  # fmt: skip
+    assert "no test passes" in bare.error and not bare.rows
+
+    res = synthesize_package(str(pkg), out, _cfg(wheelhouse), runner=Runner(), cache=tmp_path / "c")
+    assert not res.error, res.error
+    assert res.requirements == ["envdep"] and res.environment == ["envdep==0.3"] and res.rows
+    env = out / "envs" / "usesdep-0.1"
+    assert built(env) and (env / "envdep" / "__init__.py").is_file()
+    stamp = (env / STAMP).read_text()
+    again = synthesize_package(str(pkg), out, _cfg(wheelhouse), runner=Runner(), cache=tmp_path / "c")
+    assert (env / STAMP).read_text() == stamp and again.rows  # found, not rebuilt
+    write_rows(out, [res])
+    rep = summary([res])["packages"][0]
+    assert rep["environment"] == ["envdep==0.3"] and rep["requirements"] == ["envdep"]
+    row = json.loads((out / "tasks.jsonl").read_text().splitlines()[0])
+    assert row["environment"] == "envs/usesdep-0.1"  # relative to the tasks file, like repo_path
+    task = load_jsonl(out / "tasks.jsonl")[0]
+    assert task.environment == str(env.resolve())
+    result = asyncio.run(validate_task(task, tmp_path, timeout=60, hide_paths=[out.resolve()],
+                                       canaries=("test_edit",), concurrency=3))  # fmt: skip
+    assert result.ok, [(c.name, c.detail) for c in result.checks if not c.ok]
+    assert {c.name for c in result.checks} == {"gold", "empty", "test_edit"}
+
+
+def test_a_broken_or_slow_environment_is_the_packages_typed_error(wheelhouse: Path, tmp_path: Path) -> None:
+    broken = dict(PKG, **{"pyproject.toml": PKG["pyproject.toml"].replace('["envdep"]', '["no-such-dist-legorl"]')})
+    pkg = _write(tmp_path / "broken", broken)
+    res = synthesize_package(str(pkg), tmp_path / "out", _cfg(wheelhouse), runner=Runner(), cache=tmp_path / "c")
+    assert "building the environment usesdep-0.1 failed" in res.error and "no-such-dist-legorl" in res.error
+    assert not res.rows and not (tmp_path / "out" / "envs" / "usesdep-0.1").exists()  # nothing half-built
+
+    slow = synthesize_package(str(_write(tmp_path / "slow", PKG)), tmp_path / "out2", _cfg(wheelhouse, env_timeout=0.05),
+                              runner=Runner(), cache=tmp_path / "c")  # fmt: skip
+    assert "took longer than" in slow.error and not slow.rows
+    assert not (tmp_path / "out2" / "envs" / "usesdep-0.1").exists()
