@@ -154,3 +154,29 @@ def test_a_broken_or_slow_environment_is_the_packages_typed_error(wheelhouse: Pa
                               runner=Runner(), cache=tmp_path / "c")  # fmt: skip
     assert "took longer than" in slow.error and not slow.rows
     assert not (tmp_path / "out2" / "envs" / "usesdep-0.1").exists()
+
+
+def test_only_new_keeps_earlier_packages_and_names_what_this_run_mined(tmp_path: Path) -> None:
+    """`legorl tasks synth --only-new`: packages with rows in OUT are skipped; their report entries stay."""
+    from typer.testing import CliRunner
+
+    from legorl.cli import app
+    from legorl.grading.synth_cli import _existing_packages, _write_report
+    from legorl.tasks.synth import PackageResult, PackageSource
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tasks.jsonl").write_text(json.dumps({"instance_id": "a-1__x", "repo_path": "repos/a-1"}) + "\n")
+    earlier = {"packages": [{"package": "a-1", "kept": 1}, {"package": "b-2", "kept": 0}], "kept": 1,
+               "validated": True, "invalid": {"b-2": {"b": "gold"}}, "errors": {}}  # fmt: skip
+    (out / "synth-report.json").write_text(json.dumps(earlier))
+    assert _existing_packages(out) == {"a-1"}
+    res = PackageResult(PackageSource("b", "2", tmp_path, "pypi:b==2"), rows=[{"instance_id": "b-2__y"}] * 3)
+    rep = _write_report(out, [res], True, {}, {}, earlier)
+    assert [p["package"] for p in rep["packages"]] == ["a-1", "b-2"] and rep["this_run"] == ["b-2"]
+    assert rep["kept"] == 4 and rep["invalid"] == {} and rep["validated"]
+    # Every named package already has tasks: nothing is fetched, the earlier report stays.
+    (out / "synth-report.json").write_text(json.dumps(earlier))
+    r = CliRunner().invoke(app, ["tasks", "synth", "--package", "A==1", "--out", str(out), "--only-new"])
+    assert r.exit_code == 0, r.output
+    assert "1 packages already have tasks" in r.output and json.loads((out / "synth-report.json").read_text()) == earlier

@@ -49,12 +49,33 @@ def _validate(result: PackageResult, out: Path, timeout: float, concurrency: int
     }
 
 
-def _write_report(out: Path, results: list, validate: bool, invalid: dict, errors: dict) -> dict[str, Any]:
+def _write_report(out: Path, results: list, validate: bool, invalid: dict, errors: dict,
+                  earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OUT/synth-report.json; with ``earlier`` (``--only-new``), the packages this run left alone keep
+    their entries, and ``this_run`` names the ones it mined."""
     from legorl.tasks.synth import summary
 
     report = {**summary(results), "validated": validate, "invalid": invalid, "errors": errors}
+    report["this_run"] = [p["package"] for p in report["packages"]]
+    if earlier:
+        mined = set(report["this_run"])
+        kept = [p for p in earlier.get("packages", []) if p["package"] not in mined]
+        report["packages"] = sorted([*kept, *report["packages"]], key=lambda p: p["package"])
+        report["kept"] = sum(p["kept"] for p in report["packages"])
+        report["validated"] = validate and earlier.get("validated", False)
+        report["invalid"] = {**{k: v for k, v in earlier.get("invalid", {}).items() if k not in mined}, **invalid}
+        report["errors"] = {**earlier.get("errors", {}), **errors}
     (out / "synth-report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _existing_packages(out: Path) -> set[str]:
+    """NAME-VERSION slugs that already have rows in OUT/tasks.jsonl."""
+    path = out / "tasks.jsonl"
+    if not path.is_file():
+        return set()
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {Path(str(r.get("repo_path", ""))).name for r in rows}
 
 
 def synth_command(
@@ -105,6 +126,10 @@ def synth_command(
     env_timeout: Annotated[
         float, typer.Option("--env-timeout", help="seconds for one environment build")
     ] = 600.0,
+    only_new: Annotated[
+        bool,
+        typer.Option("--only-new", help="skip NAME==VERSION packages that already have tasks in OUT (kept as they are)"),
+    ] = False,
 ) -> None:
     """Mine SWE-bench-style tasks from real Python packages by planting bugs.
 
@@ -118,12 +143,24 @@ def synth_command(
     from legorl.tasks.mutate import OPERATORS
     from legorl.tasks.packages import BUNDLED_PACKAGES
     from legorl.tasks.schema import TaskError
-    from legorl.tasks.synth import SynthConfig, synthesize_package, write_rows
+    from legorl.tasks.synth import SynthConfig, normalize, synthesize_package, write_rows
     from legorl.tasks.synth_runner import Runner
 
     specs = [*(package or []), *(BUNDLED_PACKAGES if bundled else ())]
     if not specs:
         _fail("name at least one --package NAME==VERSION (or a local sdist / dir), or --bundled")
+    earlier: dict[str, Any] | None = None
+    if only_new:
+        have = _existing_packages(out)
+        pinned = {spec: f"{normalize(spec.split('==')[0].strip())}-{spec.split('==')[1].strip()}"
+                  for spec in specs if "==" in spec and not Path(spec).exists()}  # fmt: skip
+        skipped = [spec for spec in specs if pinned.get(spec) in have]
+        specs = [spec for spec in specs if spec not in skipped]
+        if (out / "synth-report.json").is_file():
+            earlier = json.loads((out / "synth-report.json").read_text())
+        typer.echo(f"--only-new: {len(skipped)} packages already have tasks in {out}; mining {len(specs)}", err=True)
+        if not specs:
+            raise typer.Exit(0)
     if operator and (unknown := sorted(set(operator) - set(OPERATORS))):
         _fail(f"unknown operators {unknown}; known: {list(OPERATORS)}")
     if n <= 0:
@@ -186,14 +223,14 @@ def synth_command(
                 bar.update(job, description=f"{res.source.slug}: kept {len(res.rows)}/{n}, validated")
             results.append(res)
             write_rows(out, results)  # after every package: an interrupted run keeps what it made
-            _write_report(out, results, validate, invalid, errors)
+            _write_report(out, results, validate, invalid, errors, earlier)
             rejected = ", ".join(f"{k} {v}" for k, v in sorted(res.rejected.items())) or "none"
             bar.console.print(
                 f"{res.source.slug}: kept {len(res.rows)} of {res.tried} tried ({rejected}); "
                 f"{res.seconds:.0f} s mining" + (f", {res.validate_s:.0f} s validating" if validate else ""),
                 highlight=False,
             )
-    report = _write_report(out, results, validate, invalid, errors)
+    report = _write_report(out, results, validate, invalid, errors, earlier)
     table = Table(title=f"legorl tasks synth -> {out / 'tasks.jsonl'}")
     for col in ("package", "kept", "tried", "usable tests", "rejected", "minutes"):
         table.add_column(col)
