@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -31,17 +33,29 @@ from typing import Any
 from legorl.config import SandboxConfig
 from legorl.grading.junit import parse_junit_text, to_junit_xml
 from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
+from legorl.grading.pool import (
+    HOST_DIR,
+    PRISTINE,
+    Member,
+    current_pool,
+    fallback_reason,
+    kind_of,
+    member_limits,
+    pytest_args,
+)
 from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer, StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
 from legorl.sandbox.base import Sandbox
+from legorl.sandbox.bwrap import INSIDE_CTL
 from legorl.sandbox.client import ExecResult
 from legorl.sandbox.factory import ENV_INSIDE, create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.tasks.repo import prepare_repo
 from legorl.tasks.schema import Task
 
+log = logging.getLogger(__name__)
 GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*'"
 VERIFIER_INSIDE = "/run/legorl-verifier"
 LOG_TAIL = 2000
@@ -163,12 +177,14 @@ def _materialize_tests_dir(task: Task, dest: Path) -> None:
             os.chmod(os.path.join(dirpath, name), 0o444 if not name.endswith(".sh") else 0o555)
 
 
-async def _install_hidden_tests(box: Sandbox, task: Task, base: str) -> str | None:
-    """Write the in-workspace hidden tests over whatever is there; returns an error message on failure."""
-    ws = box.inside_workspace
+async def _install_hidden_tests(box: Sandbox, task: Task, base: str, ws: str | None = None) -> str | None:
+    """Write the in-workspace hidden tests over whatever is there (the repo at ``ws`` inside, default the
+    sandbox's workspace); returns an error message on failure."""
+    cwd = ws
+    ws = ws or box.inside_workspace
     for rel, content in task.hidden_files.items():
         # Remove first: the agent could have pre-created the file (or a symlink) there.
-        await box.exec(f"rm -rf -- {shlex.quote(rel)}", timeout=30)
+        await box.exec(f"rm -rf -- {shlex.quote(rel)}", timeout=30, cwd=cwd)
         await box.write_file(f"{ws}/{rel}", content)
     if task.test_patch:
         for rel in sorted(patch_paths(task.test_patch)):
@@ -176,10 +192,10 @@ async def _install_hidden_tests(box: Sandbox, task: Task, base: str) -> str | No
             # Restore from the base commit (not HEAD); files the patch adds are removed.
             await box.exec(
                 f"rm -rf -- {q}; {GIT} cat-file -e {base}:{q} 2>/dev/null && {GIT} checkout {base} -- {q} || true",
-                timeout=30,
+                timeout=30, cwd=cwd,
             )
         await box.write_file("/tmp/hidden_tests.patch", task.test_patch)
-        r = await box.exec(f"{GIT} apply --whitespace=nowarn /tmp/hidden_tests.patch", timeout=60)
+        r = await box.exec(f"{GIT} apply --whitespace=nowarn /tmp/hidden_tests.patch", timeout=60, cwd=cwd)
         if r.returncode != 0:
             return f"hidden test patch did not apply: {r.output[-500:]}"
     return None
@@ -229,6 +245,12 @@ async def grade(
     ``keep`` leaves the work dir for debugging; ``label`` tags the grading sandbox (reaping);
     ``sandbox`` is the run's sandbox section (its backend; default bwrap).
     """
+    if fallback_reason(task, sandbox, keep) is None:
+        limits = _limits(task, timeout, limits, memory_mb)
+        report = await _grade_pooled(task, diff, timeout=timeout, hide_paths=tuple(hide_paths), limits=limits,
+                                     artifacts_dir=artifacts_dir, label=label, sandbox=sandbox)  # fmt: skip
+        if report is not None:
+            return report
     g = _Grading(task, Path(work_dir) / f"grade-{secrets.token_hex(6)}", sandbox)
     try:
         base = await g.pristine_sources(diff)
@@ -251,6 +273,53 @@ async def grade(
         _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml)
         if not keep:
             shutil.rmtree(g.work, ignore_errors=True)
+    return g.report
+
+
+async def _grade_pooled(
+    task: Task, diff: str, *, timeout: float, hide_paths: tuple[Path, ...], limits: SandboxLimits,
+    artifacts_dir: Path | None, label: str | None, sandbox: SandboxConfig | None,
+) -> GraderReport | None:
+    """``grade`` through a pooled grading sandbox and its zygote (``pool.py``): the same steps and verdict,
+    with a fresh forked pytest process in namespaces of its own per patch instead of a fresh sandbox and
+    interpreter. None when no pooled sandbox can be had (the caller then grades in a fresh sandbox)."""
+    pool = current_pool()
+    kind = kind_of(sandbox, label or "grade-pool", hide_paths, member_limits(limits), task.workdir)
+    start = functools.partial(Member.start, sandbox, label=kind.label, hide_paths=hide_paths,
+                              limits=member_limits(limits), workdir=task.workdir, verifier_inside=VERIFIER_INSIDE,
+                              env=GRADER_ENV)  # fmt: skip
+    try:
+        member = await pool.acquire(kind, start)
+    except Exception as e:  # noqa: BLE001 - no pooled sandbox this time: a fresh one
+        log.warning("no pooled grading sandbox (%s: %s); grading in a fresh one", type(e).__name__, e)
+        return None
+    if member is None:
+        return None
+    g = _Grading(task, member.root, sandbox)
+    g.box, reusable, slot = member.box, False, None
+    try:
+        pristine = await asyncio.to_thread(PRISTINE.get, task)
+        slot, g.ws = await asyncio.to_thread(member.new_slot, pristine)
+        g.repo = slot
+        g.filter_diff(diff, set(pristine.base_paths))
+        await g.apply_agent_patch()
+        await g.install_hidden_tests(pristine.base)
+        async with ResultServer(shared=member.verifier) as results:
+            tests = await g.run_tests_pooled(member, results, timeout)
+        reusable = True
+        g.judge(tests)
+    except _Stop:
+        reusable = not member.box.violation
+    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
+        g.infrastructure_failed(e)
+    finally:
+        if asyncio.current_task() is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            reusable = False
+        g.report.resolved = g.report.outcome == Outcome.RESOLVED
+        pool.release(kind, member, reusable)
+        if slot is not None:
+            await asyncio.to_thread(shutil.rmtree, slot, True)
+        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml)
     return g.report
 
 
@@ -284,6 +353,7 @@ class _Grading:
         self.repo = work / "repo"
         self.sandbox_cfg = sandbox
         self.box: Sandbox | None = None
+        self.ws: str | None = None  # the repo inside the sandbox, where it is not the workspace (a pool's slot)
         self.report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
         self.filtered: FilteredDiff | None = None
         self.junit_xml = ""
@@ -300,17 +370,21 @@ class _Grading:
     async def pristine_sources(self, diff: str) -> str:
         """A fresh copy of the task repo, and the part of ``diff`` the grader applies (the source
         part; a diff that reaches into the test runner is refused). Returns the base commit."""
+        base = await asyncio.to_thread(prepare_repo, self.task, self.repo)
+        self.filter_diff(diff, _base_paths(self.repo))
+        return base
+
+    def filter_diff(self, diff: str, base_paths: set[str]) -> None:
+        """The part of ``diff`` the grader applies; _Stop when it reaches into the test runner."""
         task, report = self.task, self.report
-        base = await asyncio.to_thread(prepare_repo, task, self.repo)
         self.filtered = filtered = filter_diff_detailed(
-            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=_base_paths(self.repo)
+            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=base_paths
         )
         report.applied_paths, report.dropped_paths = filtered.applied_paths, filtered.dropped_paths
         _set_extra(report, applied_diff=filtered.kept, dropped_diff=filtered.dropped)
         if findings := scan(filtered.kept, _pristine_reader(self.repo)):
             reason = "diff reaches into the test runner or verdict: " + "; ".join(findings[:5])
             raise self._finish(Outcome.UNRESOLVED, reason, missing=True)
-        return base
 
     async def start_sandbox(
         self, results: ResultServer, limits: SandboxLimits, hide_paths: Sequence[Path], label: str | None
@@ -349,7 +423,7 @@ class _Grading:
         if not self.filtered.kept.strip():
             return
         await self.box.write_file("/tmp/agent.patch", self.filtered.kept)
-        r = await self.box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60)
+        r = await self.box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60, cwd=self.ws)
         if r.returncode != 0:
             reason = "patch did not apply (git apply, no fuzz)"
             raise self._finish(Outcome.UNRESOLVED, reason, r.output[-LOG_TAIL:], missing=True)
@@ -359,7 +433,7 @@ class _Grading:
         assert self.box is not None
         if self.task.tests_dir:
             return  # mounted read-only by start_sandbox
-        if err := await _install_hidden_tests(self.box, self.task, base):
+        if err := await _install_hidden_tests(self.box, self.task, base, self.ws):
             raise self._finish(Outcome.GRADER_ERROR, err)
         await asyncio.to_thread(protect_test_files, self.repo, test_files(self.task))
 
@@ -382,6 +456,30 @@ class _Grading:
             junit_error = str(e)[:300]
         # Close first: nothing the tests left running can add to the stream while we judge it.
         await self.box.close()
+        await results.wait_done(5.0)
+        await results.stop()
+        return _TestRun(r, results.run, junit, junit_error)
+
+    async def run_tests_pooled(self, member: Member, results: ResultServer, timeout: float) -> _TestRun:
+        """The same pytest command line, run by the member's zygote in a fresh forked process with
+        namespaces of its own; everything it started is gone when this returns."""
+        task = self.task
+        junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
+        args = [*(pytest_args(task.test_command) or []), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
+                f"--rootdir={task.workdir}", f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
+        socket_inside = f"{VERIFIER_INSIDE}/{results.name}/{SOCKET_NAME}"
+        cover = [INSIDE_CTL, f"{VERIFIER_INSIDE}/{HOST_DIR}"]
+        assert self.ws is not None
+        run = await member.run(self.ws, args, {"LEGORL_VERIFIER_SOCKET": socket_inside}, timeout, junit_inside, cover)
+        r = run.result
+        self.report.exit_code, self.report.log_tail = r.returncode, r.output[-LOG_TAIL:]
+        junit, junit_error = None, ""
+        try:
+            if run.junit is None:
+                raise FileNotFoundError(f"no JUnit report at {junit_inside}")
+            junit = parse_junit_text(run.junit)
+        except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
+            junit_error = str(e)[:300]
         await results.wait_done(5.0)
         await results.stop()
         return _TestRun(r, results.run, junit, junit_error)

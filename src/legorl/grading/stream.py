@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -124,15 +125,25 @@ class StreamedRun:
 class ResultServer:
     """Listens on a short Unix socket path; the first connection is the plugin's, later ones are refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Path | None = None) -> None:
+        """``shared``: a verifier dir already shown to a grading sandbox (the pool's, which holds the
+        plugin); the socket then lives in a dir of its own there, ``name``. Without it, a dir of its own
+        with the plugin, to be bind-mounted."""
         # Short (sun_path holds 108 bytes); the outer dir is the driver's alone (0700), the inner one is
         # bind-mounted into the grading sandbox, whose uid needs to enter it.
-        self._outer = Path(tempfile.mkdtemp(prefix="lgv-"))
-        self.dir = self._outer / "v"
-        self.dir.mkdir(mode=0o755)
-        os.chmod(self.dir, 0o755)
-        shutil.copyfile(PLUGIN_SOURCE, self.dir / f"{PLUGIN_MODULE}.py")
-        os.chmod(self.dir / f"{PLUGIN_MODULE}.py", 0o444)
+        self.name = ""
+        if shared is not None:
+            self._outer = self.dir = shared / secrets.token_hex(6)
+            self.name = self.dir.name
+            self.dir.mkdir(mode=0o755)
+            os.chmod(self.dir, 0o755)
+        else:
+            self._outer = Path(tempfile.mkdtemp(prefix="lgv-"))
+            self.dir = self._outer / "v"
+            self.dir.mkdir(mode=0o755)
+            os.chmod(self.dir, 0o755)
+            shutil.copyfile(PLUGIN_SOURCE, self.dir / f"{PLUGIN_MODULE}.py")
+            os.chmod(self.dir / f"{PLUGIN_MODULE}.py", 0o444)
         self.socket_path = self.dir / SOCKET_NAME
         self.run = StreamedRun()
         self._server: asyncio.AbstractServer | None = None

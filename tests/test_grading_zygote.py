@@ -1,0 +1,190 @@
+"""Pooled grading (grading/pool.py, grading/zygote.py): the same verdicts as a fresh sandbox per patch, and
+nothing one test run leaves (processes, files, IPC, ports, environment, modules) reaches the next.
+
+Real sandboxes, git and pytest. The pool needs a root driver and bubblewrap; elsewhere grading falls back
+to a fresh sandbox per patch, and the tests that need the pool say so when they skip."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import pytest
+from backends import bwrap_cfg
+
+from legorl.config import SandboxConfig
+from legorl.grading import grade
+from legorl.grading.canaries import PATCH_CANARIES, CanaryContext
+from legorl.grading.pool import SWITCH, current_pool, fallback_reason, pytest_args
+from legorl.records import GraderReport, Outcome
+from legorl.tasks import FAMILIES, generate_tasks, prepare_repo
+from legorl.tasks.builtin import unified_diff
+
+TASK = generate_tasks(["wrong_operator"], 1, seed=21, split="train")[0]
+MODULE = next(p for p in TASK.files if p.startswith("pkg_") and not p.endswith("__init__.py"))
+
+
+def pooled_cfg() -> SandboxConfig:
+    cfg = bwrap_cfg()
+    if why := fallback_reason(TASK, cfg, keep=False):
+        pytest.skip(f"grading does not use the pool here: {why}")
+    return cfg
+
+
+def append(code: str, base: str = "") -> str:
+    """A diff appending ``code`` to the task's module (after the gold fix when ``base`` is the gold patch)."""
+    old = TASK.files[MODULE]
+    fixed = old
+    if base:
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            prepare_repo(TASK, Path(d))
+            subprocess.run(["git", "apply", "-"], input=base.encode(), cwd=d, check=True)
+            fixed = (Path(d) / MODULE).read_text()
+    return unified_diff(MODULE, old, fixed + code)
+
+
+def essentials(rep: GraderReport) -> tuple:
+    reason = re.sub(r"'\d{6,}'", "'<id>'", rep.reason)  # an unnamed plugin's name is its id()
+    return (rep.outcome, rep.resolved, reason, rep.tests, rep.applied_paths, rep.dropped_paths,
+            rep.collected, rep.exit_code)  # fmt: skip
+
+
+def test_pooled_verdicts_equal_fresh_sandbox_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gold patches resolve, empty ones fail and every canary is caught, with the same report either way."""
+    cfg = pooled_cfg()
+    tasks = generate_tasks(None, len(FAMILIES), seed=7, split="train")
+    ctx = CanaryContext(TASK, tmp_path / "pristine")
+    prepare_repo(TASK, ctx.repo)
+    cases = [(t, t.patch) for t in tasks] + [(t, "") for t in tasks[:3]]
+    cases += [(TASK, make(ctx)) for make in PATCH_CANARIES.values()]
+    cases += [(TASK, append("import os as _o\n_o._exit(0)\n")), (TASK, append("import os as _o\n_o.kill(_o.getpid(), 9)\n"))]
+
+    async def all_of(pooled: bool):
+        monkeypatch.setenv(SWITCH, "1" if pooled else "0")
+        sem = asyncio.Semaphore(3)
+
+        async def one(task, diff):
+            async with sem:
+                return await grade(task, diff, work_dir=tmp_path / "w", sandbox=cfg)
+
+        reports = await asyncio.gather(*(one(t, d) for t, d in cases))
+        return reports, current_pool().started
+
+    fresh, started_fresh = asyncio.run(all_of(False))
+    pooled, started_pooled = asyncio.run(all_of(True))
+    assert started_fresh == 0 and 1 <= started_pooled <= 3  # one pooled sandbox per concurrent grading
+    for (task, diff), a, b in zip(cases, fresh, pooled, strict=True):
+        assert essentials(a) == essentials(b), (task.family, diff[:300], a.reason, b.reason, b.log_tail[-800:])
+    n = len(tasks)
+    assert all(r.resolved for r in pooled[:n]), [r.reason for r in pooled[:n]]
+    assert all(r.outcome == Outcome.UNRESOLVED for r in pooled[n:]), [r.reason for r in pooled[n:]]
+
+
+LEAVE_BEHIND = r"""
+import ctypes as _c, os as _o, socket as _s, subprocess as _p, sys as _y
+_o.system("setsid sleep 1000 >/dev/null 2>&1 &")
+_p.Popen([_y.executable, "-c", "import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 45678)); s.listen(); time.sleep(1000)"],
+         start_new_session=True)
+for _f in ("/tmp/leak", "/dev/shm/leak", _o.path.expanduser("~/.leak"), "/workspace/LEAK"):
+    open(_f, "w").write("x")
+_o.environ["LEAK"] = "1"
+_y.modules["leakmod"] = _y
+_c.CDLL(None).shmget(0x4C45414B, 4096, 0o1000 | 0o666)
+"""
+
+CHECK_CLEAN = r"""
+import ctypes as _c, os as _o, socket as _s, sys as _y
+def _leaks():
+    found = [f for f in ("/tmp/leak", "/dev/shm/leak", _o.path.expanduser("~/.leak"), "/workspace/LEAK") if _o.path.exists(f)]
+    found += [k for k in ("LEAK",) if k in _o.environ] + [m for m in ("leakmod",) if m in _y.modules]
+    if _c.CDLL(None).shmget(0x4C45414B, 0, 0) != -1:
+        found.append("shm segment")
+    me = int(_o.readlink("/proc/self"))
+    for pid in _o.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            if b"sleep" in open(f"/proc/{pid}/cmdline", "rb").read() or b"45678" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(f"process {pid} left running")
+        except OSError:
+            pass
+        try:  # no process outside this run may be open to it (ptrace-level access)
+            _o.close(_o.open(f"/proc/{pid}/mem", _o.O_RDONLY))
+            found.append(f"/proc/{pid}/mem opens")
+        except OSError:
+            pass
+    try:
+        _t = _s.socket(); _t.bind(("127.0.0.1", 45678)); _t.close()
+    except OSError as e:
+        found.append(f"port 45678 taken: {e}")
+    for ctl in ("/run/leg" "orl/control.sock", "/run/leg" "orl-verifier/z/zygote.sock"):  # (the scan refuses the word)
+        if _o.path.exists(ctl):
+            found.append(f"{ctl} reachable")
+    if [n for n in _o.listdir("/workspace") if _o.path.isdir(f"/workspace/{n}/.git")]:
+        found.append("another patch's copy is visible")
+    caps = [l for l in open("/proc/self/status") if l.startswith(("CapEff", "CapPrm"))]
+    if any(int(l.split()[1], 16) for l in caps):
+        found.append(f"capabilities held: {caps}")
+    return found
+if _leaks():
+    raise RuntimeError(f"LEAKED: {_leaks()}")
+"""
+
+
+def test_nothing_a_run_leaves_reaches_the_next_patch(tmp_path: Path) -> None:
+    """Patch A leaves processes, files in /tmp, /dev/shm and HOME, a SysV segment, a listening port, an
+    environment variable and a module behind; patch B (the fix, plus a check that raises at import if it
+    finds any of that, or can reach a process or control socket outside its run) resolves on the same
+    pooled sandbox."""
+    cfg = pooled_cfg()
+
+    async def main():
+        a = await grade(TASK, append(LEAVE_BEHIND), work_dir=tmp_path, sandbox=cfg)
+        b = await grade(TASK, append(CHECK_CLEAN, base=TASK.patch), work_dir=tmp_path, sandbox=cfg)
+        pool = current_pool()
+        return a, b, pool.started, [m.uses for m in pool.live.values()]
+
+    a, b, started, uses = asyncio.run(main())
+    assert a.outcome == Outcome.UNRESOLVED and a.collected, (a.reason, a.log_tail[-800:])
+    assert started == 1 and uses == [2], (started, uses, b.reason)  # the same sandbox and zygote graded both
+    assert b.resolved, (b.reason, b.log_tail[-1500:])
+
+
+def test_a_timed_out_run_ends_whole_and_the_sandbox_grades_on(tmp_path: Path) -> None:
+    cfg = pooled_cfg()
+    spin = append("import os as _o\n_o.system('setsid sleep 1000 &')\nwhile True:\n    pass\n")
+
+    async def main():
+        hung = await grade(TASK, spin, work_dir=tmp_path, sandbox=cfg, timeout=3)
+        gold = await grade(TASK, TASK.patch, work_dir=tmp_path, sandbox=cfg)
+        return hung, gold, current_pool().started
+
+    hung, gold, started = asyncio.run(main())
+    assert hung.outcome == Outcome.UNRESOLVED and hung.reason == "tests timed out", hung.reason
+    assert gold.resolved and started == 1, (gold.reason, started)
+
+
+def test_which_gradings_take_the_pool() -> None:
+    assert pytest_args("python -m pytest -q") == ["-q"]
+    assert pytest_args("python -m pytest -q -x tests") == ["-q", "-x", "tests"]
+    for command in ("pytest -q", "python3 -m pytest", "python -m pytest; rm -rf /", "FOO=1 python -m pytest",
+                    "python -m pytest $ARGS", "bash tests/test.sh", "python -m unittest"):
+        assert pytest_args(command) is None, command
+    cfg = SandboxConfig()
+    root = os.geteuid() == 0
+    assert (fallback_reason(TASK, cfg, keep=False) is None) == root
+    assert "keep" in (fallback_reason(TASK, cfg, keep=True) or "")
+    assert "docker" in (fallback_reason(TASK, SandboxConfig(kind="docker"), keep=False) or "")
+    for update in ({"test_command": "python -m unittest"}, {"setup": "pip install -e ."}, {"tests_dir": "/tests"},
+                   {"environment": "/opt/env"}):
+        assert fallback_reason(TASK.model_copy(update=update), cfg, keep=False), update
+    os.environ[SWITCH] = "0"
+    try:
+        assert SWITCH in (fallback_reason(TASK, cfg, keep=False) or "")
+    finally:
+        del os.environ[SWITCH]
