@@ -6,11 +6,15 @@ projections, per-head RMSNorm on q and k (Qwen3), rotary tables precomputed by t
 rotary module, SwiGLU MLP or top-k routed experts (Qwen3-MoE), final norm and the LM head.
 Llama / Qwen2-style layers (no q/k norm, optional q/k/v bias) use the same code.
 
-The KV cache is preallocated: per layer ``[slots, kv_heads, max_len, head_dim]``. The engine keeps
-its active sequences in slots ``0..n-1`` so a decode step attends over plain views
-``cache[:n, :, :L]`` (no gather, no re-padding); each row is masked by its own length.
-Prefill runs one sequence at a time from any start position (the prefix before it may have been
-copied from the prefix cache). MoE layers record the top-k experts of every token they process.
+The KV cache is preallocated for all layers: keys ``[layers, slots, kv_heads, head_dim, max_len]``
+(transposed), values ``[layers, slots, kv_heads, max_len, head_dim]``. One ``forward`` runs a whole engine step: every row (a slot) feeds its new
+tokens, one token for a decoding sequence, a whole prompt remainder for a new one, all packed into
+one ``[tokens, hidden]`` matrix, so the projections and the MLP are one matmul each for the step.
+Attention is the only per-row part: decoding rows in slots ``0..d-1`` attend together (one
+batched matmul over plain cache views ``[:d, :, :L]``, each row masked by its own length); a
+prefilling row attends over its own slot. Rows whose hidden states nobody reads are dropped
+before the last layer's attention and MLP (only each row's last token needs logits), unless MoE
+routes must be recorded for every token. MoE layers record the top-k experts of every token.
 
 ``check_support`` says why a model is not covered (the engine then uses its HF fallback), and the
 engine compares this forward's logits with the HF model's once at start-up.
@@ -19,6 +23,7 @@ engine compares this forward's logits with the HF model's once at start-up.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -96,9 +101,16 @@ class FastDecoder:
         self.device, self.dtype = p.device, p.dtype
         self.moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0)) if self.moe_layers else 0
-        shape = (num_slots, self.n_kv, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        # Keys transposed, [layers, slots, kv_heads, head_dim, max_len], so that a decode step's scores
+        # are a plain q @ K matmul (twice as fast as q @ K^T for the few queries per head); values
+        # [layers, slots, kv_heads, max_len, head_dim].
+        size = (self.n_layers, num_slots, self.n_kv, self.head_dim * max_len)
+        self.k = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(-1, (self.head_dim, max_len))
+        self.v = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(-1, (max_len, self.head_dim))
+        # Offsets of (kv head, dim) in a slot's flattened keys, and of a kv head in its values.
+        heads = torch.arange(self.n_kv, device=self.device)
+        self._k_off = ((heads.unsqueeze(1) * self.head_dim + torch.arange(self.head_dim)) * max_len).flatten()
+        self._v_off = heads * max_len
         # Routed experts of every cached position: [slots, max_len, moe_layers, top_k] (MoE only).
         self.routes = (
             torch.zeros(
@@ -163,9 +175,8 @@ class FastDecoder:
         """Copy the first ``n`` cached positions of slot ``src`` into slot ``dst``."""
         if n <= 0 or src == dst:
             return
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
+        self.k[:, dst, :, :, :n] = self.k[:, src, :, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         if self.routes is not None:
             self.routes[dst, :n] = self.routes[src, :n]
 
@@ -177,17 +188,15 @@ class FastDecoder:
         """Slots >= first_free are free (nothing to do: the cache is preallocated)."""
 
     def export(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A compact copy of slot ``slot``'s first ``n`` positions: k, v [layers, kv, n, hd], routes."""
-        k = torch.stack([k[slot, :, :n] for k in self.k])
-        v = torch.stack([v[slot, :, :n] for v in self.v])
+        """A compact copy of slot ``slot``'s first ``n`` positions: k [layers, kv, hd, n] (transposed),
+        v [layers, kv, n, hd], routes."""
         routes = self.routes[slot, :n].clone() if self.routes is not None else None
-        return k, v, routes
+        return self.k[:, slot, :, :, :n].clone(), self.v[:, slot, :, :n].clone(), routes
 
     def load(self, slot: int, k: torch.Tensor, v: torch.Tensor, routes: torch.Tensor | None, n: int) -> None:
         """Write the first ``n`` positions of an exported block into slot ``slot``."""
-        for i in range(self.n_layers):
-            self.k[i][slot, :, :n] = k[i, :, :n]
-            self.v[i][slot, :, :n] = v[i, :, :n]
+        self.k[:, slot, :, :, :n] = k[..., :n]
+        self.v[:, slot, :, :n] = v[:, :, :n]
         if self.routes is not None and routes is not None:
             self.routes[slot, :n] = routes[:n]
 
@@ -200,23 +209,23 @@ class FastDecoder:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, pos: torch.Tensor
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [N, hidden], pos [N] -> q [N, H, hd], k [N, KV, hd], v [N, KV, hd] (normed, rotated)."""
+        """h [N, hidden] -> q [N, H, hd], k [N, KV, hd], v [N, KV, hd] (normed, rotated)."""
         n, hd, nq = h.shape[0], self.head_dim, self.n_heads + self.n_kv
         qkv = F.linear(h, layer.wqkv, layer.bqkv).view(n, nq + self.n_kv, hd)
         qk, v = qkv[:, :nq], qkv[:, nq:]
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * layer.qk_norm
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin_signed[pos].unsqueeze(1)
         flipped = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)
         qk = torch.addcmul(qk * cos, flipped, sin)
         return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _mlp(self, layer: _Layer, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x + MLP(h); also the routed experts [N, top_k] of an MoE layer."""
         if layer.w_gate_up is not None:
             gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, layer.w_down), None
+            return torch.addmm(x, F.silu(gate) * up, layer.w_down.t()), None
         assert layer.router is not None and layer.experts_gate_up is not None
         assert layer.experts_down is not None
         probs = torch.softmax(F.linear(h, layer.router), dim=-1, dtype=torch.float)
@@ -230,72 +239,124 @@ class FastDecoder:
             gate, up = F.linear(h[tok], layer.experts_gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, layer.experts_down[e]) * top_w[tok, kpos].unsqueeze(1)
             out.index_add_(0, tok, y)
-        return out, top_i
+        return x + out, top_i
 
-    def _block(
-        self, i: int, layer: _Layer, x: torch.Tensor, attn: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + F.linear(attn, layer.wo, layer.bo)
-        y, routes = self._mlp(layer, self._rms(x, layer.ln2))
-        return x + y, routes
+    def _rows_attention(self, i: int, q: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One query per slot ``0..n-1`` (q [n, H, hd]) over its cached keys; bias [n * KV, 1, L] is 0
+        where a row may look and -inf elsewhere. Returns [n, H * hd]."""
+        n, length = q.shape[0], bias.shape[-1]
+        k = self.k[i, :n, :, :, :length].reshape(n * self.n_kv, self.head_dim, length)  # views: the slot
+        v = self.v[i, :n, :, :length].reshape(n * self.n_kv, length, self.head_dim)  # stride is kv * head's
+        qg = q.reshape(n * self.n_kv, self.rep, self.head_dim)
+        scores = torch.baddbmm(bias, qg, k, alpha=self.scaling)
+        return torch.bmm(torch.softmax(scores, dim=-1), v).view(n, -1)
 
-    def prefill(self, slot: int, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run ``ids`` at positions ``start..`` of slot ``slot`` (positions < start must be cached).
+    def _prefill_attention(self, i: int, q: torch.Tensor, slot: int, end: int, mask: torch.Tensor) -> torch.Tensor:
+        """Queries q [t, H, hd] at positions ``end - t..end - 1`` of ``slot``; mask [rep * t, end] (0 / -inf,
+        rows in the grouped order). Runs in query chunks so the scores stay within ~16 MB."""
+        t = q.shape[0]
+        k = self.k[i, slot, :, :, :end]  # [KV, hd, end]
+        v = self.v[i, slot, :, :end]  # [KV, end, hd]
+        qg = q.transpose(0, 1).reshape(self.n_kv, self.rep, t, self.head_dim)
+        mask = mask.view(self.rep, t, end)
+        chunk = max(1, (1 << 22) // (self.n_heads * end))
+        outs = []
+        for c in range(0, t, chunk):
+            qc = qg[:, :, c : c + chunk].reshape(self.n_kv, -1, self.head_dim)
+            bias = mask[:, c : c + chunk].reshape(-1, end)
+            scores = torch.baddbmm(bias, qc, k, alpha=self.scaling)
+            outs.append(torch.bmm(torch.softmax(scores, dim=-1), v).view(self.n_kv, self.rep, -1, self.head_dim))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.view(self.n_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1)
 
-        Returns fp32 logits of the last position [vocab], or of every position [T, vocab].
+    def _row_bias(self, last: list[int]) -> torch.Tensor:
+        """The mask of ``_rows_attention`` for rows whose last position is ``last[r]``."""
+        pos = torch.tensor(last, device=self.device)
+        length = max(last) + 1
+        bias = torch.zeros((len(last), length), dtype=self.dtype, device=self.device)
+        bias.masked_fill_(self.arange[:length].unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+        return bias.repeat_interleave(self.n_kv, dim=0).unsqueeze(1)
+
+    def forward(
+        self,
+        ids: list[list[int]],
+        starts: list[int],
+        slots: list[int] | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """One step: row ``r`` runs ``ids[r]`` at positions ``starts[r]..`` of slot ``slots[r]`` (default
+        ``r``; positions before ``starts[r]`` must be cached). Rows must use distinct slots.
+
+        Returns fp32 logits of each row's last token [rows, vocab], or of every token [tokens, vocab].
         """
-        t = len(ids)
-        end = start + t
-        pos = self.arange[start:end]
-        x = self.embed[torch.tensor(ids, device=self.device)]
-        # Query row (r, t) of the grouped layout [KV, rep * T] sees keys 0..start + t.
-        allowed = self.arange[:end].unsqueeze(0) <= pos.unsqueeze(1)
-        mask = allowed.repeat(self.rep, 1)
+        n = len(ids)
+        slot_list = list(range(n)) if slots is None else list(slots)
+        lens = [len(x) for x in ids]
+        ends = [s + t for s, t in zip(starts, lens, strict=True)]
+        total = sum(lens)
+        flat_ids = ids[0] if n == 1 else [t for x in ids for t in x]
+        if total == n:  # every row feeds one token (a pure decode step)
+            pos_list, slot_of = starts, slot_list
+        else:
+            pos_list = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
+            slot_of = [s for s, t in zip(slot_list, lens, strict=True) for _ in range(t)]
+        pos = torch.tensor(pos_list, device=self.device)
+        slot_t = torch.tensor(slot_of, device=self.device)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin_signed[pos].unsqueeze(1)
+        # Where each token's k/v elements go in a layer's flattened cache.
+        base = slot_t * (self.n_kv * self.head_dim * self.max_len)
+        k_dest = ((base + pos).unsqueeze(1) + self._k_off).flatten()
+        v_dest = ((slot_t * self.n_kv).unsqueeze(1) * self.max_len + self._v_off + pos.unsqueeze(1)).flatten()
+        # Decoding rows (one token, slot == row index) attend together; the others one by one.
+        d = 0
+        while d < n and lens[d] == 1 and slot_list[d] == d:
+            d += 1
+        dec_bias = self._row_bias(starts[:d]) if d else None
+        singles = []  # (row, token offset, slot, end, mask)
+        offset = d
+        for r in range(d, n):
+            p = self.arange[starts[r] : ends[r]]
+            mask = torch.zeros((lens[r], ends[r]), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(self.arange[: ends[r]].unsqueeze(0) > p.unsqueeze(1), float("-inf"))
+            singles.append((offset, lens[r], slot_list[r], ends[r], mask.repeat(self.rep, 1)))
+            offset += lens[r]
+        # Only the last token of every row needs the last layer's output (not with MoE routes: they
+        # are recorded for every token); its attention then runs for all rows together.
+        cut = not all_logits and self.routes is None and slot_list == list(range(n)) and total > n
+        last_bias = self._row_bias([e - 1 for e in ends]) if cut else None
+        last_idx = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1  # rows' last tokens
+
+        x = self.embed[torch.tensor(flat_ids, device=self.device)]
         moe_i = 0
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(x, layer.ln1), pos)
-            self.k[i][slot, :, start:end] = k.transpose(0, 1)
-            self.v[i][slot, :, start:end] = v.transpose(0, 1)
-            qg = q.transpose(0, 1).reshape(1, self.n_kv, self.rep * t, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                qg,
-                self.k[i][slot : slot + 1, :, :end],
-                self.v[i][slot : slot + 1, :, :end],
-                attn_mask=mask,
-                scale=self.scaling,
-            )
-            attn = out.view(self.n_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1)
-            x, routes = self._block(i, layer, x, attn)
+            q, k, v = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
+            self.k[i].view(-1).index_copy_(0, k_dest, k.reshape(-1))
+            self.v[i].view(-1, self.head_dim).index_copy_(0, v_dest, v.reshape(-1, self.head_dim))
+            if cut and i == self.n_layers - 1:
+                x = x[last_idx]
+                attn = self._rows_attention(i, q[last_idx], last_bias)  # type: ignore[arg-type]
+            else:
+                parts = [self._rows_attention(i, q[:d], dec_bias)] if dec_bias is not None else []
+                for off, t, slot, end, mask in singles:
+                    parts.append(self._prefill_attention(i, q[off : off + t], slot, end, mask))
+                attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = torch.addmm(x, attn, layer.wo.t()) if layer.bo is None else x + F.linear(attn, layer.wo, layer.bo)
+            x, routes = self._mlp(layer, self._rms(x, layer.ln2), x)
             if routes is not None and self.routes is not None:
-                self.routes[slot, start:end, moe_i] = routes.to(torch.int16)
+                self.routes[slot_t, pos, moe_i] = routes.to(torch.int16)
                 moe_i += 1
-        if not all_logits:
-            x = x[-1:]
-        logits = F.linear(self._rms(x, self.norm), self.lm_head).float()
+        if not all_logits and not cut and total > n:
+            x = x[last_idx]
+        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+
+    step = forward  # the engine's entry point: one step over slots 0..n-1
+
+    def prefill(self, slot: int, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run ``ids`` at positions ``start..`` of slot ``slot``: logits of the last token [vocab] or of
+        every token [T, vocab]."""
+        logits = self.forward([ids], [start], [slot], all_logits=all_logits)
         return logits if all_logits else logits[0]
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of slots ``0..n-1`` at its own position; returns fp32 logits [n, vocab]."""
-        n = len(tokens)
-        rows = self.arange[:n]
-        pos = torch.tensor(positions, device=self.device)
-        length = max(positions) + 1
-        mask = (self.arange[:length].unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, length)
-        x = self.embed[torch.tensor(tokens, device=self.device)]
-        moe_i = 0
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(x, layer.ln1), pos)
-            self.k[i][rows, :, pos] = k
-            self.v[i][rows, :, pos] = v
-            out = F.scaled_dot_product_attention(
-                q.view(n, self.n_kv, self.rep, self.head_dim),
-                self.k[i][:n, :, :length],
-                self.v[i][:n, :, :length],
-                attn_mask=mask,
-                scale=self.scaling,
-            )
-            x, routes = self._block(i, layer, x, out.reshape(n, -1))
-            if routes is not None and self.routes is not None:
-                self.routes[rows, pos, moe_i] = routes.to(torch.int16)
-                moe_i += 1
-        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+        return self.forward([[t] for t in tokens], positions)

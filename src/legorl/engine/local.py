@@ -1,13 +1,15 @@
 """In-process torch engine: continuous batching over a slot KV cache, with prefix reuse.
 
 One worker thread owns the model. Active sequences live in KV slots ``0..n-1``
-(engine/fast.py for Qwen3-family models, engine/hf.py for anything else). Between decode steps
-new requests join: each is prefilled alone, after copying the longest cached prefix of its
-prompt (from the prefix cache of finished sequences, or from a running sequence with the same
-prompt, e.g. another sample of a GRPO group), so only the new tokens are computed. Every decode
-step runs one batched forward for all active sequences (each attends over its own length) and
-samples every row at once with its own parameters and random stream. Finished sequences leave
-between steps: their KV goes to the prefix cache, and the last slot moves into the hole.
+(engine/fast.py for Qwen3-family models, engine/hf.py for anything else). Every step is one
+forward over all of them: decoding rows feed their last sampled token, and requests joining the
+batch feed their prompt after copying the longest cached prefix of it (from the prefix cache of
+finished sequences, or from a running sequence with the same prompt, e.g. another sample of a
+GRPO group: a request that shares a long prefix with one joining in the same step waits one step
+to copy it), so only new tokens are computed. Then one sampling call draws every row's next
+token with its own parameters and random stream. Finished sequences leave after the step: their
+KV goes to the prefix cache, and the last slot moves into the hole; cancelled ones leave before
+the next step, without being resolved.
 
 Weight updates are applied by the worker when the batch is empty: while one is pending no
 request is admitted, so a request never spans two weight versions; the prefix cache is cleared.
@@ -41,6 +43,8 @@ from legorl.records import GenerationResult, SamplingParams
 log = logging.getLogger(__name__)
 
 Decoder = FastDecoder | HFDecoder
+# A request waits one step to copy a prefix from a request joining now when that saves this many tokens.
+_MIN_SHARED = 32
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +64,7 @@ class _Request:
     finish: str | None = None
     cancelled: bool = False
     n_cached: int = 0  # positions whose KV is in the request's slot
+    feed: list[int] = dataclasses.field(default_factory=list)  # tokens the next step runs
     stop_window: int = 0  # tokens to decode when checking stop strings
 
     def add(self, token: int, logprob: float, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -332,9 +337,7 @@ class LocalEngine:
                     continue
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    self._admit(admitted)
-                    if self._active:
-                        self._decode_step()
+                    self._step(admitted)
                 self._stats["busy_s"] = self._stats.get("busy_s", 0.0) + time.perf_counter() - t0
         except Exception:
             log.exception("engine worker died")
@@ -342,18 +345,6 @@ class LocalEngine:
             with self._cv:  # also when the worker died: later calls fail fast instead of hanging
                 self._closed = True
             self._fail_all(EngineError("engine closed"))
-
-    def _admit(self, admitted: list[_Request]) -> None:
-        budget = self.prefill_chunk
-        for i, req in enumerate(admitted):
-            if budget <= 0:  # the rest waits for the next step, in order
-                with self._cv:
-                    self._waiting.extendleft(reversed(admitted[i:]))
-                return
-            if req.cancelled:  # its caller went away while it waited: never prefilled
-                self._stats["cancelled"] += 1
-            else:
-                budget -= self._prefill(req)
 
     def _fail_all(self, error: EngineError) -> None:
         with self._cv:
@@ -379,59 +370,87 @@ class LocalEngine:
             log.exception("update_weights failed")
             _resolve(upd.future, upd.loop, error=EngineError(f"update_weights failed: {e}"))
 
-    def _reuse(self, req: _Request, slot: int) -> int:
-        """Copy the longest cached prefix of the prompt into ``slot``; returns its length."""
+    def _match(self, req: _Request) -> tuple[int, _Request | PrefixEntry | None]:
+        """The longest cached prefix of the prompt: its length and where it is (a running row's slot or a
+        prefix cache entry)."""
+        if self.prefix.max_bytes <= 0:
+            return 0, None
         limit = len(req.prompt_ids) - 1  # the last prompt token is always run: its logits are needed
-        entry, n = self.prefix.match(req.prompt_t, limit) if self.prefix.max_bytes > 0 else (None, 0)
-        source = None
-        if self.prefix.max_bytes > 0:
-            for other in self._active:  # e.g. another sample of the same group, already prefilled
-                m = min(common_prefix(other.prompt_t, req.prompt_t), other.n_cached, limit)
-                if m > n:
-                    source, n = other, m
-        if source is not None:
+        entry, n = self.prefix.match(req.prompt_t, limit)
+        source: _Request | PrefixEntry | None = entry
+        for other in self._active:  # e.g. another sample of the same group, already prefilled
+            m = min(common_prefix(other.prompt_t, req.prompt_t), other.n_cached, limit)
+            if m > n:
+                source, n = other, m
+        return n, source
+
+    def _copy_prefix(self, source: _Request | PrefixEntry | None, n: int, slot: int) -> None:
+        if isinstance(source, _Request):
             self.decoder.copy(self._active.index(source), slot, n)
-        elif entry is not None and n > 0:
-            self.decoder.load(slot, entry.k, entry.v, entry.routes, n)
-        return n
+        elif source is not None and n > 0:
+            self.decoder.load(slot, source.k, source.v, source.routes, n)
 
-    def _prefill(self, req: _Request) -> int:
-        """Prefill a request into the next free slot, sample its first token; returns tokens computed."""
-        slot = len(self._active)
-        req.version = self.weight_version
-        try:
-            reused = self._reuse(req, slot)
-            logits = self.decoder.prefill(slot, req.prompt_ids[reused:], reused)
-            req.n_cached = len(req.prompt_ids)
-            params = BatchParams([req.params.temperature], [req.params.top_p], [req.top_k], self._device)
-            u = req.rng.random() if req.params.temperature > 0 else 0.0
-            toks, lps = sample_batch(logits.unsqueeze(0), params, [u])
-            req.add(toks[0], lps[0], self.tokenizer)
-        except Exception as e:
-            log.exception("prefill failed")
-            _resolve(req.future, req.loop, error=EngineError(f"prefill failed: {e}"))
-            return 0
-        computed = len(req.prompt_ids) - reused
-        self._stats.update(
-            requests=1,
-            prompt_tokens=len(req.prompt_ids),
-            prefill_tokens_computed=computed,
-            prefill_tokens_reused=reused,
-            generated_tokens=1,
-        )
-        self._active.append(req)
-        self._params = None
-        if req.finish and not self._record_routes:
-            self._leave([slot])
-        return computed
+    def _waits_for(self, req: _Request, joining: list[_Request], reused: int) -> bool:
+        """True when a request joining this step shares a longer prefix with ``req`` than any cached KV:
+        ``req`` then waits one step and copies it (e.g. the other samples of a GRPO group)."""
+        if self.prefix.max_bytes <= 0:
+            return False
+        limit = len(req.prompt_ids) - 1
+        best = max((min(common_prefix(o.prompt_t, req.prompt_t), limit) for o in joining), default=0)
+        return best - reused >= _MIN_SHARED
 
-    def _decode_step(self) -> None:
-        """One batched forward for all active rows; finished and cancelled rows leave afterwards."""
+    def _join(self, admitted: list[_Request]) -> None:
+        """Place admitted requests in the next free slots with their reused prefix.
+
+        Up to ``prefill_chunk`` prompt tokens join a step (at least one request); the rest, and requests
+        that should copy a prefix from one joining now, go back to the front of the queue in order."""
+        budget, joining, later = self.prefill_chunk, [], []
+        for req in admitted:
+            if req.cancelled:  # its caller went away while it waited: never prefilled
+                self._stats["cancelled"] += 1
+                continue
+            if budget <= 0 and joining:
+                later.append(req)
+                continue
+            reused, source = self._match(req)
+            if joining and self._waits_for(req, joining, reused):
+                later.append(req)
+                continue
+            self._copy_prefix(source, reused, len(self._active))
+            req.version = self.weight_version
+            req.n_cached = reused
+            req.feed = req.prompt_ids[reused:]
+            budget -= len(req.feed)
+            self._active.append(req)
+            joining.append(req)
+            self._stats.update(
+                requests=1,
+                prompt_tokens=len(req.prompt_ids),
+                prefill_tokens_computed=len(req.feed),
+                prefill_tokens_reused=reused,
+            )
+        if later:
+            with self._cv:
+                self._waiting.extendleft(reversed(later))
+        if joining:
+            self._params = None
+
+    def _step(self, admitted: list[_Request]) -> None:
+        """One forward for every active row (decoding rows feed their last token, joining rows their
+        prompt's uncached rest), then one sampling call; finished and cancelled rows leave afterwards."""
+        gone = [i for i, r in enumerate(self._active) if r.cancelled]
+        if gone:  # free their slots before the step: nothing of theirs is computed any more
+            self._leave(gone)
+        for r in self._active:
+            r.feed = r.completion[-1:]
+        self._join(admitted)
         rows = self._active
+        if not rows:
+            return
         try:
-            logits = self.decoder.decode([r.completion[-1] for r in rows], [r.n_cached for r in rows])
+            logits = self.decoder.step([r.feed for r in rows], [r.n_cached for r in rows])
             for r in rows:
-                r.n_cached += 1
+                r.n_cached += len(r.feed)
             if self._params is None:
                 self._params = BatchParams(
                     [r.params.temperature for r in rows],
@@ -439,28 +458,28 @@ class LocalEngine:
                     [r.top_k for r in rows],
                     self._device,
                 )
-            live = [not (r.finish or r.cancelled) for r in rows]
+            live = [not r.finish for r in rows]
             uniforms = [
                 r.rng.random() if ok and r.params.temperature > 0 else 0.0
                 for r, ok in zip(rows, live, strict=True)
             ]
             toks, lps = sample_batch(logits, self._params, uniforms)
         except Exception as e:
-            log.exception("decode step failed")
+            log.exception("engine step failed")
             for req in rows:
-                _resolve(req.future, req.loop, error=EngineError(f"decode failed: {e}"))
+                _resolve(req.future, req.loop, error=EngineError(f"engine step failed: {e}"))
             self._active, self._params = [], None
             return
         done = []
         for i, r in enumerate(rows):
             if live[i]:
                 r.add(toks[i], lps[i], self.tokenizer)
-                self._stats["generated_tokens"] += 1
                 # MoE: a finished row runs once more so its last token's routes (and KV) are recorded.
                 if r.finish and not self._record_routes:
                     done.append(i)
             else:
                 done.append(i)
+        self._stats["generated_tokens"] += sum(live)
         self._stats["decode_steps"] += 1
         if done:
             self._leave(done)
