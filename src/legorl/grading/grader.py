@@ -177,14 +177,17 @@ def _materialize_tests_dir(task: Task, dest: Path) -> None:
             os.chmod(os.path.join(dirpath, name), 0o444 if not name.endswith(".sh") else 0o555)
 
 
-async def _install_hidden_tests(box: Sandbox, task: Task, base: str, ws: str | None = None) -> str | None:
+async def _install_hidden_tests(
+    box: Sandbox, task: Task, base: str, ws: str | None = None, removed: bool = False
+) -> str | None:
     """Write the in-workspace hidden tests over whatever is there (the repo at ``ws`` inside, default the
-    sandbox's workspace); returns an error message on failure."""
+    sandbox's workspace; ``removed``: their paths were cleared already); returns an error message on failure."""
     cwd = ws
     ws = ws or box.inside_workspace
+    if task.hidden_files and not removed:
+        # Remove first: the agent could have pre-created a file (or a symlink) there.
+        await box.exec(f"rm -rf -- {' '.join(map(shlex.quote, task.hidden_files))}", timeout=30, cwd=cwd)
     for rel, content in task.hidden_files.items():
-        # Remove first: the agent could have pre-created the file (or a symlink) there.
-        await box.exec(f"rm -rf -- {shlex.quote(rel)}", timeout=30, cwd=cwd)
         await box.write_file(f"{ws}/{rel}", content)
     if task.test_patch:
         for rel in sorted(patch_paths(task.test_patch)):
@@ -354,6 +357,7 @@ class _Grading:
         self.sandbox_cfg = sandbox
         self.box: Sandbox | None = None
         self.ws: str | None = None  # the repo inside the sandbox, where it is not the workspace (a pool's slot)
+        self.hidden_removed = False  # the hidden tests' paths already cleared (with the agent's patch)
         self.report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
         self.filtered: FilteredDiff | None = None
         self.junit_xml = ""
@@ -423,7 +427,13 @@ class _Grading:
         if not self.filtered.kept.strip():
             return
         await self.box.write_file("/tmp/agent.patch", self.filtered.kept)
-        r = await self.box.exec(f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch", timeout=60, cwd=self.ws)
+        command = f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch"
+        if hidden := [] if self.task.tests_dir else list(self.task.hidden_files):
+            # Where the hidden tests go, removed in the same command (the agent could have pre-created one):
+            # one process start less per grading; git's exit status and output stay the command's.
+            command += f"; rc=$?; [ $rc -ne 0 ] || rm -rf -- {' '.join(map(shlex.quote, hidden))}; exit $rc"
+        r = await self.box.exec(command, timeout=60, cwd=self.ws)
+        self.hidden_removed = r.returncode == 0
         if r.returncode != 0:
             reason = "patch did not apply (git apply, no fuzz)"
             raise self._finish(Outcome.UNRESOLVED, reason, r.output[-LOG_TAIL:], missing=True)
@@ -433,7 +443,7 @@ class _Grading:
         assert self.box is not None
         if self.task.tests_dir:
             return  # mounted read-only by start_sandbox
-        if err := await _install_hidden_tests(self.box, self.task, base, self.ws):
+        if err := await _install_hidden_tests(self.box, self.task, base, self.ws, removed=self.hidden_removed):
             raise self._finish(Outcome.GRADER_ERROR, err)
         await asyncio.to_thread(protect_test_files, self.repo, test_files(self.task))
 

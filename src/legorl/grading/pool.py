@@ -210,6 +210,7 @@ class Member:
     zygote: asyncio.Task | None = None
     uses: int = 0
     run_cpu_s: float = 0.0  # CPU seconds of its runs' processes (forks of the zygote), as the zygote saw them
+    test_cpu_s: float = 0.0  # of which the test processes (pytest and what it started)
     idle_timer: asyncio.TimerHandle | None = None
     closed: bool = False
     _buf: bytes = b""
@@ -322,6 +323,7 @@ class Member:
         try:
             reply = json.loads(await asyncio.wait_for(self._line(), timeout + REPLY_SLACK_S))
             self.run_cpu_s += float(reply.get("cpu") or 0.0)
+            self.test_cpu_s += float(reply.get("test_cpu") or 0.0)
             if "error" in reply:
                 raise RuntimeError(f"grading zygote: {reply['error']}")
             output = _read_trimmed(out_path)
@@ -440,6 +442,7 @@ def current_pool() -> GradingPool:
     pool = _POOLS.get(loop)
     if pool is None:
         pool = _POOLS[loop] = GradingPool()
+    if pool.keeper is None or pool.keeper.done():  # (cancelled with every task by someone: held again)
         pool.keeper = loop.create_task(pool._keep())
     return pool
 

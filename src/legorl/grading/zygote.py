@@ -26,7 +26,7 @@ ptrace are closed to it.
 Protocol (JSON lines over the host's Unix socket): the zygote sends ``{"ready": pid}`` or
 ``{"refused": why}``; then each request ``{"slot", "workdir", "args", "env", "timeout", "cpu",
 "tmp_bytes", "junit", "cover"}`` carrying two fds (output, JUnit copy) gets one reply
-``{"status": wait status}``, ``{"timed_out": true}`` or ``{"error": message}``.
+``{"status": wait status, "test_cpu": s}``, ``{"timed_out": true}`` or ``{"error": message}``.
 """
 
 import ctypes
@@ -64,8 +64,9 @@ def preload() -> None:
     import _pytest.config
     import pytest  # noqa: F401
 
-    for name in _pytest.config.default_plugins:
+    for name in (*_pytest.config.default_plugins, "_argcomplete"):
         importlib.import_module(f"_pytest.{name}")
+    importlib.import_module("pdb")  # the debugging plugin's, at every configure (stdlib, no side effects)
     import gc
 
     gc.freeze()  # the imported heap: never scanned again, so the forks' collections stay small
@@ -185,14 +186,14 @@ def _init(req: dict, out_fd: int, junit_fd: int, report_w: int):
         os.close(junit_fd)
         return _test_process(req, out_fd)
     os.close(out_fd)
-    status = None
+    status, cpu = None, 0.0
     while status is None:
         try:
-            done, st = os.waitpid(-1, 0)
+            done, st, usage = os.wait4(-1, 0)
         except ChildProcessError:
             break
         if done == pid:
-            status = st
+            status, cpu = st, usage.ru_utime + usage.ru_stime
     try:
         os.kill(-1, 9)  # every other process of this pid namespace: what the tests left running
     except ProcessLookupError:
@@ -210,7 +211,7 @@ def _init(req: dict, out_fd: int, junit_fd: int, report_w: int):
             view = view[os.write(junit_fd, view):]
     except OSError:
         pass  # no report: the host says it is missing
-    os.write(report_w, f"X {status if status is not None else -1}\n".encode())
+    os.write(report_w, f"X {status if status is not None else -1} {cpu}\n".encode())
     os._exit(0)
 
 
@@ -304,7 +305,8 @@ def _serve(conn: socket.socket):
             if kind == "E":
                 reply = {"error": rest}
             elif kind == "X":
-                reply = {"status": int(rest)}
+                status, _, test_cpu = rest.partition(" ")
+                reply = {"status": int(status), "test_cpu": float(test_cpu or 0)}
         reply["cpu"] = usage.ru_utime + usage.ru_stime  # the run's processes, as far as they were reaped
         conn.sendall(json.dumps(reply).encode() + b"\n")
 
