@@ -127,6 +127,17 @@ def _leaks():
             found.append(f"{ctl} reachable")
     if [n for n in _o.listdir("/workspace") if _o.path.isdir(f"/workspace/{n}/.git")]:
         found.append("another patch's copy is visible")
+    _r, _w = _o.pipe()
+    if _o.fork() == 0:  # in a user and mount namespace of its own, the run's covers must not come off
+        _l = _c.CDLL(None, use_errno=True)
+        _ok = _l.unshare(0x10000000 | 0x20000) == 0
+        _lifted = [p for p in ("/run/leg" "orl", "/workspace", "/tmp") if _ok and _l.umount2(p.encode(), 2) == 0]
+        _o.write(_w, repr(_lifted if _ok else ["unshare failed"]).encode())
+        _o._exit(0)
+    _o.close(_w)
+    _got = _o.read(_r, 4096).decode()
+    if _got != "[]":
+        found.append(f"mounts lifted from a nested namespace: {_got}")
     caps = [l for l in open("/proc/self/status") if l.startswith(("CapEff", "CapPrm"))]
     if any(int(l.split()[1], 16) for l in caps):
         found.append(f"capabilities held: {caps}")

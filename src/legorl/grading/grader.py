@@ -286,6 +286,10 @@ async def _grade_pooled(
     """``grade`` through a pooled grading sandbox and its zygote (``pool.py``): the same steps and verdict,
     with a fresh forked pytest process in namespaces of its own per patch instead of a fresh sandbox and
     interpreter. None when no pooled sandbox can be had (the caller then grades in a fresh sandbox)."""
+    try:
+        pristine = await asyncio.to_thread(PRISTINE.get, task)
+    except Exception:  # noqa: BLE001 - the fresh-sandbox path reports the broken task as it always has
+        return None
     pool = current_pool()
     kind = kind_of(sandbox, label or "grade-pool", hide_paths, member_limits(limits), task.workdir)
     start = functools.partial(Member.start, sandbox, label=kind.label, hide_paths=hide_paths,
@@ -301,7 +305,6 @@ async def _grade_pooled(
     g = _Grading(task, member.root, sandbox)
     g.box, reusable, slot = member.box, False, None
     try:
-        pristine = await asyncio.to_thread(PRISTINE.get, task)
         slot, g.ws = await asyncio.to_thread(member.new_slot, pristine)
         g.repo = slot
         g.filter_diff(diff, set(pristine.base_paths))
