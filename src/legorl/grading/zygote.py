@@ -67,6 +67,12 @@ def preload() -> None:
     for name in (*_pytest.config.default_plugins, "_argcomplete"):
         importlib.import_module(f"_pytest.{name}")
     importlib.import_module("pdb")  # the debugging plugin's, at every configure (stdlib, no side effects)
+    import importlib.metadata
+
+    # `-p NAME` makes pytest look NAME up among the installed distributions' entry points: the listings of
+    # the interpreter's dirs are cached per dir and mtime, so list them once here. Not '' (the cwd): a run's
+    # cwd is its own repo.
+    list(importlib.metadata.distributions(path=[p for p in sys.path if p and os.path.isabs(p)]))
     import gc
 
     gc.freeze()  # the imported heap: never scanned again, so the forks' collections stay small
