@@ -183,6 +183,8 @@ def test_a_timed_out_run_ends_whole_and_the_sandbox_grades_on(tmp_path: Path) ->
 def test_which_gradings_take_the_pool() -> None:
     assert pytest_args("python -m pytest -q") == ["-q"]
     assert pytest_args("python -m pytest -q -x tests") == ["-q", "-x", "tests"]
+    assert pytest_args("python -m pytest -q -o addopts= -o pythonpath=src") == ["-q", "-o", "addopts=", "-o",
+                                                                               "pythonpath=src"]  # fmt: skip
     for command in ("pytest -q", "python3 -m pytest", "python -m pytest; rm -rf /", "FOO=1 python -m pytest",
                     "python -m pytest $ARGS", "bash tests/test.sh", "python -m unittest"):
         assert pytest_args(command) is None, command

@@ -61,7 +61,7 @@ START_TIMEOUT_S = 60.0
 REPLY_SLACK_S = 30.0  # past the tests' timeout, which the zygote enforces itself
 ZYGOTE_LIFETIME_S = 7 * 24 * 3600.0
 MAX_OUTPUT = 2_000_000  # as the sandbox agent keeps of a command's output
-SHELL_CHARS = set("$;&|<>`*?~(){}[]!\\'\"#\n=")
+SHELL_CHARS = set("$;&|<>`*?~(){}[]!\\'\"#\n")  # (an `=` only assigns before the command: words[0] is checked)
 
 
 def pytest_args(test_command: str) -> list[str] | None:
