@@ -221,11 +221,11 @@ class FastDecoder:
         qk = torch.addcmul(qk * cos, flipped, sin)
         return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x + MLP(h); also the routed experts [N, top_k] of an MoE layer."""
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x + MLP(rms_norm(x)); also the routed experts [N, top_k] of an MoE layer."""
         if layer.w_gate_up is not None:
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            return torch.addmm(x, F.silu(gate) * up, layer.w_down.t()), None
+            return self._dense_mlp(layer, x), None
+        h = self._rms(x, layer.ln2)
         assert layer.router is not None and layer.experts_gate_up is not None
         assert layer.experts_down is not None
         probs = torch.softmax(F.linear(h, layer.router), dim=-1, dtype=torch.float)
@@ -241,6 +241,11 @@ class FastDecoder:
             out.index_add_(0, tok, y)
         return x + out, top_i
 
+    def _dense_mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        assert layer.w_gate_up is not None and layer.w_down is not None
+        gate, up = F.linear(self._rms(x, layer.ln2), layer.w_gate_up).chunk(2, dim=-1)
+        return torch.addmm(x, F.silu(gate) * up, layer.w_down.t())
+
     def _rows_attention(self, i: int, q: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """One query per slot ``0..n-1`` (q [n, H, hd]) over its cached keys; bias [n * KV, 1, L] is 0
         where a row may look and -inf elsewhere. Returns [n, H * hd]."""
@@ -251,23 +256,25 @@ class FastDecoder:
         scores = torch.baddbmm(bias, qg, k, alpha=self.scaling)
         return torch.bmm(torch.softmax(scores, dim=-1), v).view(n, -1)
 
-    def _prefill_attention(self, i: int, q: torch.Tensor, slot: int, end: int, mask: torch.Tensor) -> torch.Tensor:
-        """Queries q [t, H, hd] at positions ``end - t..end - 1`` of ``slot``; mask [rep * t, end] (0 / -inf,
-        rows in the grouped order). Runs in query chunks so the scores stay within ~16 MB."""
+    def _prefill_attention(
+        self, i: int, q: torch.Tensor, slot: int, end: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries q [t, H, hd] at positions ``end - t..end - 1`` of ``slot``; ``mask`` [t, end] (True where a
+        query may look) or None when the row starts at 0 (plain causal). Returns [t, H * hd]."""
         t = q.shape[0]
-        k = self.k[i, slot, :, :, :end]  # [KV, hd, end]
-        v = self.v[i, slot, :, :end]  # [KV, end, hd]
-        qg = q.transpose(0, 1).reshape(self.n_kv, self.rep, t, self.head_dim)
-        mask = mask.view(self.rep, t, end)
-        chunk = max(1, (1 << 22) // (self.n_heads * end))
-        outs = []
-        for c in range(0, t, chunk):
-            qc = qg[:, :, c : c + chunk].reshape(self.n_kv, -1, self.head_dim)
-            bias = mask[:, c : c + chunk].reshape(-1, end)
-            scores = torch.baddbmm(bias, qc, k, alpha=self.scaling)
-            outs.append(torch.bmm(torch.softmax(scores, dim=-1), v).view(self.n_kv, self.rep, -1, self.head_dim))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.view(self.n_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1)
+        # SDPA's fused kernel wants keys [.., end, hd]: a small copy, cheaper than the scores it saves.
+        k = self.k[i, slot, :, :, :end].transpose(-1, -2).contiguous().unsqueeze(0)
+        v = self.v[i, slot, :, :end].unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scaling,
+            enable_gqa=self.rep > 1,
+        )
+        return out[0].transpose(0, 1).reshape(t, -1)
 
     def _row_bias(self, last: list[int]) -> torch.Tensor:
         """The mask of ``_rows_attention`` for rows whose last position is ``last[r]``."""
@@ -316,9 +323,8 @@ class FastDecoder:
         offset = d
         for r in range(d, n):
             p = self.arange[starts[r] : ends[r]]
-            mask = torch.zeros((lens[r], ends[r]), dtype=self.dtype, device=self.device)
-            mask.masked_fill_(self.arange[: ends[r]].unsqueeze(0) > p.unsqueeze(1), float("-inf"))
-            singles.append((offset, lens[r], slot_list[r], ends[r], mask.repeat(self.rep, 1)))
+            mask = self.arange[: ends[r]].unsqueeze(0) <= p.unsqueeze(1) if starts[r] else None
+            singles.append((offset, lens[r], slot_list[r], ends[r], mask))
             offset += lens[r]
         # Only the last token of every row needs the last layer's output (not with MoE routes: they
         # are recorded for every token); its attention then runs for all rows together.
@@ -341,7 +347,7 @@ class FastDecoder:
                     parts.append(self._prefill_attention(i, q[off : off + t], slot, end, mask))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = torch.addmm(x, attn, layer.wo.t()) if layer.bo is None else x + F.linear(attn, layer.wo, layer.bo)
-            x, routes = self._mlp(layer, self._rms(x, layer.ln2), x)
+            x, routes = self._mlp(layer, x)
             if routes is not None and self.routes is not None:
                 self.routes[slot_t, pos, moe_i] = routes.to(torch.int16)
                 moe_i += 1
