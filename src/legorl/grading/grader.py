@@ -305,7 +305,7 @@ async def _grade_pooled(
     g = _Grading(task, member.root, sandbox)
     g.box, reusable, slot = member.box, False, None
     try:
-        slot, g.ws = await asyncio.to_thread(member.new_slot, pristine)
+        slot, g.ws, pristine = await asyncio.to_thread(member.new_slot, task)
         g.repo = slot
         g.filter_diff(diff, set(pristine.base_paths))
         await g.apply_agent_patch()

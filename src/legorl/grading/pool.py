@@ -34,6 +34,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ HOST_DIR = "z"  # in the verifier dir: the host's socket the zygote connects to;
 MAX_USES = 200  # then a member is replaced (hygiene: the zygote's own heap grows a little per run)
 MAX_IDLE = 8  # idle members kept per kind
 IDLE_S = 120.0  # an idle member is closed after this
+REFUSED_S = 600.0  # a kind whose zygote refused is tried again after this
 START_TIMEOUT_S = 60.0
 REPLY_SLACK_S = 30.0  # past the tests' timeout, which the zygote enforces itself
 ZYGOTE_LIFETIME_S = 7 * 24 * 3600.0
@@ -155,6 +157,17 @@ class PristineCache:
                 old = self._entries.pop(next(iter(self._entries)))
                 shutil.rmtree(old.path, ignore_errors=True)
         return entry
+
+
+    def copy(self, task: Task, dest: Path, ids: tuple[int, int]) -> Pristine:
+        """A private copy of the task's pristine repo at ``dest`` (made under the lock: an entry is never
+        evicted mid-copy)."""
+        while True:
+            entry = self.get(task)
+            with self._lock:
+                if self._entries.get(self.key(task)) is entry:
+                    copy_repo(entry.path, dest, ids)
+                    return entry
 
 
 PRISTINE = PristineCache()
@@ -294,11 +307,11 @@ class Member:
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    def new_slot(self, pristine: Pristine) -> tuple[Path, str]:
-        """A fresh copy of the pristine repo: (host path, path inside the member)."""
+    def new_slot(self, task: Task) -> tuple[Path, str, Pristine]:
+        """A fresh copy of the task's pristine repo: (host path, path inside the member, the pristine)."""
         name = secrets.token_hex(6)
-        copy_repo(pristine.path, self.slots / name, self.ids)
-        return self.slots / name, f"{self.workdir}/{name}"
+        pristine = PRISTINE.copy(task, self.slots / name, self.ids)
+        return self.slots / name, f"{self.workdir}/{name}", pristine
 
     async def run(self, slot_inside: str, args: list[str], env: dict[str, str], timeout: float,
                   junit_inside: str, cover: list[str]) -> RunResult:
@@ -372,13 +385,13 @@ class Kind:
 class GradingPool:
     idle: dict[Kind, list[Member]] = field(default_factory=dict)
     live: dict[int, Member] = field(default_factory=dict)
-    refused: dict[Kind, str] = field(default_factory=dict)
+    refused: dict[Kind, tuple[str, float]] = field(default_factory=dict)  # why, when (retried after REFUSED_S)
     keeper: asyncio.Task | None = None
     started: int = 0  # members started (for benchmarks and tests)
 
     async def acquire(self, kind: Kind, start) -> Member | None:
         """An idle member of ``kind`` or a new one (``start()``); None when members of this kind are refused."""
-        if kind in self.refused:
+        if kind in self.refused and time.monotonic() - self.refused[kind][1] < REFUSED_S:
             return None
         while self.idle.get(kind):
             member = self.idle[kind].pop()
@@ -391,7 +404,7 @@ class GradingPool:
         try:
             member = await start()
         except Refused as e:
-            self.refused[kind] = str(e)
+            self.refused[kind] = (str(e), time.monotonic())
             log.warning("grading falls back to a fresh sandbox per patch: %s", e)
             return None
         self.started += 1

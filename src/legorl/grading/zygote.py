@@ -335,7 +335,7 @@ def main(socket_path: str) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(socket_path)
     preload()
-    for _ in range(20):  # the sandbox agent makes itself non-dumpable just after it signals ready
+    for _ in range(100):  # the sandbox agent makes itself non-dumpable just after it signals ready (a busy host: later)
         if not (refused := probe()) or "outside a run" not in refused:
             break
         time.sleep(0.05)
