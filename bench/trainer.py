@@ -3,7 +3,9 @@
 Same model (the built-in tiny Qwen3, or --hidden/--layers for a larger one), same token batches
 (prompt + sampled completion, advantages +-1), same micro-batch size, AdamW, fp32 on CPU:
 
-- legorl: ``Trainer.train_step`` (PPO-clip + token TIS, mismatch metrics, per-rollout weights).
+- legorl: ``Trainer.train_step`` (PPO-clip + token TIS, mismatch metrics, per-rollout weights), with
+  its fused forward (train/fast_forward.py); ``--model-forward`` adds legorl calling the HF model's
+  own forward (``fast_forward=False``) to the same run.
 - TRL: ``GRPOTrainer.compute_loss`` + backward + optimizer step on the same batches, i.e. TRL's
   training forward/backward only (its generation is excluded; TRL computes the lm_head on the
   completion positions only, ``logits_to_keep``).
@@ -14,6 +16,11 @@ Same model (the built-in tiny Qwen3, or --hidden/--layers for a larger one), sam
 first prompt, ``--completion``-token continuations); legorl trains it with ``shared_prefix`` on
 (the prompt forwarded once) and off (per sequence), and TRL as above. Tokens/s counts every
 sequence's tokens, the prompt once per sequence, for all three; GFLOP/s there is per-sequence work.
+
+Threads: torch's OpenMP (libgomp) workers spin-wait between ops by default; on a loaded 2-core
+machine a step then waits on descheduled spinners and its time follows the load (3-10x at load 8-17),
+so the header prints ``OMP_WAIT_POLICY``; ``OMP_WAIT_POLICY=PASSIVE`` (set before Python starts)
+makes them sleep instead. Every trainer and the probe share the process, so same-run ratios stay fair.
 
 TRL is optional: ``pip install trl accelerate psutil --no-deps`` into the venv (keeps the CPU torch).
 
@@ -111,8 +118,16 @@ def make_batches(
 Step = Callable[[list[TrainingSequence]], None]
 
 
-def legorl_step(model: torch.nn.Module, tokens_per_batch: int, shared_prefix: bool = True) -> Step:
-    tr = Trainer(model, lr=1e-5, micro_batch_tokens=tokens_per_batch, shared_prefix=shared_prefix)
+def legorl_step(
+    model: torch.nn.Module, tokens_per_batch: int, shared_prefix: bool = True, fast_forward: bool = True
+) -> Step:
+    tr = Trainer(
+        model,
+        lr=1e-5,
+        micro_batch_tokens=tokens_per_batch,
+        shared_prefix=shared_prefix,
+        fast_forward=fast_forward,
+    )
 
     def step(seqs: list[TrainingSequence]) -> None:
         tr.train_step(seqs)
@@ -206,6 +221,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shared-prefix", action="store_true", help="each batch is a group sharing its prompt")
+    ap.add_argument(
+        "--model-forward",
+        action="store_true",
+        help="also time legorl with the model's own forward (fast_forward=False), in the same run",
+    )
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "legorl"))
     args = ap.parse_args()
 
@@ -234,6 +254,10 @@ def main() -> None:
         steps["legorl, shared_prefix off"] = legorl_step(model(), tokens_per_batch, shared_prefix=False)
     else:
         steps["legorl Trainer.train_step"] = legorl_step(model(), tokens_per_batch)
+    if args.model_forward:
+        steps["legorl, model's own forward"] = legorl_step(
+            model(), tokens_per_batch, shared_prefix=args.shared_prefix, fast_forward=False
+        )
     steps["TRL GRPOTrainer (loss+step)"] = trl_step(
         model(), args.batch, args.prompt, args.completion, Path(args.cache_dir), tmp.name
     )
@@ -252,7 +276,8 @@ def main() -> None:
         f"model: Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} "
         f"({matmul_flops(base) / 1e6:.2f}M matmul params); batch {args.batch} x ({args.prompt} prompt + "
         f"{args.completion} completion) tokens{', one shared prompt per batch' if args.shared_prefix else ''}, "
-        f"{args.steps} timed steps, fp32, {torch.get_num_threads()} threads"
+        f"{args.steps} timed steps, fp32, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset (libgomp spins)')}"
     )
     print(f"matmul ceiling (1024^3 fp32, best probe): {ceiling / 1e9:.1f} GFLOP/s\n")
     if args.shared_prefix:

@@ -151,18 +151,20 @@ def shared_logprobs(
     top_p: float = 1.0,
     entropy_grad: bool = False,
     top_k: int = 0,
+    fast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``sequence_logprobs`` (with ``loss_mask``) of a right-padded batch whose ``groups`` (row
     numbers) share a prefix: same [B, T-1] outputs, 0 off the loss mask; rows in no group run the
-    per-sequence path. Without groups, or for a model ``supports`` rejects, it IS that path."""
+    per-sequence path. Without groups, or for a model ``supports`` rejects, it IS that path.
+    ``fast``: per-sequence forwards use train/fast_forward.py (the prefix forwards use HF's cache)."""
     kw = {"temperature": temperature, "top_p": top_p, "entropy_grad": entropy_grad, "top_k": top_k}
     if not groups or not supports(model):
-        return sequence_logprobs(model, input_ids, attention_mask, loss_mask=loss_mask, **kw)
+        return sequence_logprobs(model, input_ids, attention_mask, loss_mask=loss_mask, fast=fast, **kw)
     grouped = {r for g in groups for r in g.members}
     rest = [r for r in range(input_ids.shape[0]) if r not in grouped]
     parts = [_group_part(model, input_ids, attention_mask, loss_mask, g, kw) for g in groups]
     if rest and bool(loss_mask[rest].any()):
-        parts.append(_rest_part(model, input_ids, attention_mask, loss_mask, rest, kw))
+        parts.append(_rest_part(model, input_ids, attention_mask, loss_mask, rest, {**kw, "fast": fast}))
     rows, cols, lp, ent = (torch.cat(x) for x in zip(*parts))
     logp = lp.new_zeros(loss_mask.shape).index_put((rows, cols), lp)
     entropy = ent.new_zeros(loss_mask.shape).index_put((rows, cols), ent)
