@@ -97,6 +97,28 @@ def test_fast_forward_matches_hf_logits(kind: str, model, moe, tok) -> None:
     assert (ref - llama(len(tok))(torch.tensor([seq])).logits[0]).abs().max() > 1e-2 or kind == "llama"
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_one_step_mixes_decoding_and_joining_rows(kind: str, model, moe, tok) -> None:
+    """An engine step packs decoding rows (one token each) and joining rows (a prompt remainder after a
+    cached prefix, or a whole prompt) into one forward; every row's logits equal the HF model's, and
+    the KV it wrote serves the next step. Dense models take the last-layer shortcut (only each row's
+    last token), MoE models run every token (their routes are recorded)."""
+    m = {"dense": model, "moe": moe}[kind]
+    dec = FastDecoder(m, num_slots=4, max_len=128)
+    seqs = [ids(40, 10 + i) for i in range(4)]
+    with torch.inference_mode():
+        ref = [m(torch.tensor([s])).logits[0].float() for s in seqs]
+        dec.prefill(0, seqs[0][:30], 0)
+        dec.prefill(1, seqs[1][:20], 0)
+        dec.prefill(2, seqs[2][:10], 0)  # slot 2 joins on top of a cached 10-token prefix, slot 3 fresh
+        step = dec.step([[seqs[0][30]], [seqs[1][20]], seqs[2][10:25], seqs[3][:17]], [30, 20, 10, 0])
+        after = dec.step([[seqs[0][31]], [seqs[1][21]], [seqs[2][25]], [seqs[3][17]]], [31, 21, 25, 17])
+    assert (step - torch.stack([ref[0][30], ref[1][20], ref[2][24], ref[3][16]])).abs().max() < 1e-4
+    assert (after - torch.stack([ref[0][31], ref[1][21], ref[2][25], ref[3][17]])).abs().max() < 1e-4
+    if kind == "moe":  # routes of every token the step ran, prefix included
+        assert dec.get_routes(3, 18) is not None and len(dec.get_routes(3, 18)) == 18  # type: ignore[arg-type]
+
+
 def test_unsupported_models_use_the_fallback(tok) -> None:
     m = llama(len(tok))
     m.config.use_sliding_window = True  # not covered by the fast path

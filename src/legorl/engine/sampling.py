@@ -103,6 +103,9 @@ class BatchParams:
     ) -> None:
         greedy = [t <= 0 for t in temperature]
         self.all_greedy = all(greedy)
+        self.any_greedy = any(greedy)
+        # No row truncates (top-k / nucleus): the distribution is log_softmax(logits / temperature).
+        self.plain = all(g or (k <= 0 and p >= 1.0) for g, k, p in zip(greedy, top_k, top_p, strict=True))
         self.greedy = torch.tensor(greedy, device=device)
         self.temperature = torch.tensor(
             [1.0 if g else t for g, t in zip(greedy, temperature, strict=True)], device=device
@@ -128,11 +131,14 @@ def sample_batch(
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = torch.argmax(logp, dim=-1)
     else:
-        logp = sampling_logprobs(logits, params.temperature, params.top_p, params.top_k)
+        if params.plain:  # the definition's first step is all there is (same ops as sampling_logprobs)
+            logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+        else:
+            logp = sampling_logprobs(logits, params.temperature, params.top_p, params.top_k)
         cdf = torch.cumsum(logp.double().exp(), dim=-1)
         u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device).unsqueeze(1)
         # First index whose cumulative mass exceeds u * total: always a token with positive mass.
-        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logp.shape[-1] - 1)
-        tokens = torch.where(params.greedy, torch.argmax(logp, dim=-1), drawn.squeeze(1))
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logp.shape[-1] - 1).squeeze(1)
+        tokens = torch.where(params.greedy, torch.argmax(logp, dim=-1), drawn) if params.any_greedy else drawn
     lps = logp.gather(-1, tokens.unsqueeze(1)).squeeze(1)
     return tokens.tolist(), lps.tolist()
