@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from legorl.engine import EngineError, LocalEngine, sampling_logprobs, token_logprobs
+from legorl.engine import fast
 from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
 from legorl.engine.sampling import BatchParams, sample_batch
@@ -97,14 +98,16 @@ def test_fast_forward_matches_hf_logits(kind: str, model, moe, tok) -> None:
     assert (ref - llama(len(tok))(torch.tensor([seq])).logits[0]).abs().max() > 1e-2 or kind == "llama"
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_one_step_mixes_decoding_and_joining_rows(kind: str, model, moe, tok) -> None:
+@pytest.mark.parametrize("kind,split", [("dense", False), ("moe", False), ("dense", True), ("moe", True)])
+def test_one_step_mixes_decoding_and_joining_rows(kind: str, split: bool, model, moe, tok, monkeypatch) -> None:
     """An engine step packs decoding rows (one token each) and joining rows (a prompt remainder after a
     cached prefix, or a whole prompt) into one forward; every row's logits equal the HF model's, and
     the KV it wrote serves the next step. Dense models take the last-layer shortcut (only each row's
-    last token), MoE models run every token (their routes are recorded)."""
+    last token), MoE models run every token (their routes are recorded). Split: the step runs as two
+    forwards over two runs of slots, one in a helper thread."""
     m = {"dense": model, "moe": moe}[kind]
-    dec = FastDecoder(m, num_slots=4, max_len=128)
+    monkeypatch.setattr(fast, "_SPLIT_MIN_COST", 0)
+    dec = FastDecoder(m, num_slots=4, max_len=128, split_threads=split)
     seqs = [ids(40, 10 + i) for i in range(4)]
     with torch.inference_mode():
         ref = [m(torch.tensor([s])).logits[0].float() for s in seqs]
@@ -117,6 +120,9 @@ def test_one_step_mixes_decoding_and_joining_rows(kind: str, model, moe, tok) ->
     assert (after - torch.stack([ref[0][31], ref[1][21], ref[2][25], ref[3][17]])).abs().max() < 1e-4
     if kind == "moe":  # routes of every token the step ran, prefix included
         assert dec.get_routes(3, 18) is not None and len(dec.get_routes(3, 18)) == 18  # type: ignore[arg-type]
+    if split:
+        assert dec._pool is not None and dec._pool._threads  # the helper thread did run half of a step
+    dec.close()
 
 
 def test_unsupported_models_use_the_fallback(tok) -> None:

@@ -22,6 +22,7 @@ engine compares this forward's logits with the HF model's once at start-up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 SUPPORTED_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+# A step is split over two threads from this much work (MACs; the tiny model's 8 rows x ~600 keys).
+_SPLIT_MIN_COST = 2e7
 
 
 def check_support(model: PreTrainedModel) -> str | None:
@@ -85,7 +88,7 @@ def _lin_bias(module: torch.nn.Module) -> torch.Tensor | None:
 class FastDecoder:
     """Weights of a Qwen3-family model plus a slot KV cache; forward for prefill and batched decode."""
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int, split_threads: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.num_slots, self.max_len = num_slots, max_len
@@ -127,6 +130,18 @@ class FastDecoder:
         # rotate_half(x) * sin == flip_halves(x) * [-sin_1, sin_2]
         self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(self.dtype)
         self.arange = torch.arange(max_len, device=self.device)
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="legorl-engine-split")
+            if split_threads
+            else None
+        )
+        # Work of a step's row in MACs, to split a step evenly: per new token, every layer's projections and
+        # MLP; per key a token reads, q.k and p.v of every head (x4: decoding reads are memory-bound).
+        moe_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        inter = int(cfg.moe_intermediate_size) * moe_k if self.moe_layers else int(cfg.intermediate_size)
+        width = (2 * self.n_heads + 2 * self.n_kv) * self.head_dim + 3 * inter
+        self._token_cost = self.n_layers * int(cfg.hidden_size) * width
+        self._key_cost = self.n_layers * self.n_heads * 2 * self.head_dim * 4
         self.load_weights()
 
     # ---- weights ----
@@ -246,12 +261,13 @@ class FastDecoder:
         gate, up = F.linear(self._rms(x, layer.ln2), layer.w_gate_up).chunk(2, dim=-1)
         return torch.addmm(x, F.silu(gate) * up, layer.w_down.t())
 
-    def _rows_attention(self, i: int, q: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """One query per slot ``0..n-1`` (q [n, H, hd]) over its cached keys; bias [n * KV, 1, L] is 0
-        where a row may look and -inf elsewhere. Returns [n, H * hd]."""
+    def _rows_attention(self, i: int, q: torch.Tensor, bias: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """One query per slot ``first..first + n - 1`` (q [n, H, hd]) over its cached keys; bias
+        [n * KV, 1, L] is 0 where a row may look and -inf elsewhere. Returns [n, H * hd]."""
         n, length = q.shape[0], bias.shape[-1]
-        k = self.k[i, :n, :, :, :length].reshape(n * self.n_kv, self.head_dim, length)  # views: the slot
-        v = self.v[i, :n, :, :length].reshape(n * self.n_kv, length, self.head_dim)  # stride is kv * head's
+        rows = slice(first, first + n)
+        k = self.k[i, rows, :, :, :length].reshape(n * self.n_kv, self.head_dim, length)  # views: the slot
+        v = self.v[i, rows, :, :length].reshape(n * self.n_kv, length, self.head_dim)  # stride is kv * head's
         qg = q.reshape(n * self.n_kv, self.rep, self.head_dim)
         scores = torch.baddbmm(bias, qg, k, alpha=self.scaling)
         return torch.bmm(torch.softmax(scores, dim=-1), v).view(n, -1)
@@ -314,9 +330,10 @@ class FastDecoder:
         base = slot_t * (self.n_kv * self.head_dim * self.max_len)
         k_dest = ((base + pos).unsqueeze(1) + self._k_off).flatten()
         v_dest = ((slot_t * self.n_kv).unsqueeze(1) * self.max_len + self._v_off + pos.unsqueeze(1)).flatten()
-        # Decoding rows (one token, slot == row index) attend together; the others one by one.
-        d = 0
-        while d < n and lens[d] == 1 and slot_list[d] == d:
+        # Decoding rows (one token, in consecutive slots from the first row's) attend together; the
+        # others one by one.
+        first, d = slot_list[0], 0
+        while d < n and lens[d] == 1 and slot_list[d] == first + d:
             d += 1
         dec_bias = self._row_bias(starts[:d]) if d else None
         singles = []  # (row, token offset, slot, end, mask)
@@ -328,7 +345,7 @@ class FastDecoder:
             offset += lens[r]
         # Only the last token of every row needs the last layer's output (not with MoE routes: they
         # are recorded for every token); its attention then runs for all rows together.
-        cut = not all_logits and self.routes is None and slot_list == list(range(n)) and total > n
+        cut = not all_logits and self.routes is None and slot_list == list(range(first, first + n)) and total > n
         last_bias = self._row_bias([e - 1 for e in ends]) if cut else None
         last_idx = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1  # rows' last tokens
 
@@ -340,9 +357,9 @@ class FastDecoder:
             self.v[i].view(-1, self.head_dim).index_copy_(0, v_dest, v.reshape(-1, self.head_dim))
             if cut and i == self.n_layers - 1:
                 x = x[last_idx]
-                attn = self._rows_attention(i, q[last_idx], last_bias)  # type: ignore[arg-type]
+                attn = self._rows_attention(i, q[last_idx], last_bias, first)  # type: ignore[arg-type]
             else:
-                parts = [self._rows_attention(i, q[:d], dec_bias)] if dec_bias is not None else []
+                parts = [self._rows_attention(i, q[:d], dec_bias, first)] if dec_bias is not None else []
                 for off, t, slot, end, mask in singles:
                     parts.append(self._prefill_attention(i, q[off : off + t], slot, end, mask))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -355,7 +372,40 @@ class FastDecoder:
             x = x[last_idx]
         return F.linear(self._rms(x, self.norm), self.lm_head).float()
 
-    step = forward  # the engine's entry point: one step over slots 0..n-1
+    def step(self, ids: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """The engine's entry point: one step over slots ``0..n-1``, logits of each row's last token.
+
+        Rows are independent sequences, so with ``split_threads`` a large step runs as two forwards over
+        two runs of consecutive slots of about equal cost, the second in a helper thread (torch releases
+        the GIL inside its kernels): both cores work on one step, and no OpenMP team spins on a loaded
+        machine. A row's maths is the same either way."""
+        n = len(ids)
+        if self._pool is None or n < 2:
+            return self.forward(ids, starts)
+        # Cost of a row: its new tokens' matmuls plus the keys they read (in units of one hidden-sized MAC).
+        cost = [len(x) * (self._token_cost + (s + len(x)) * self._key_cost) for x, s in zip(ids, starts, strict=True)]
+        if sum(cost) < _SPLIT_MIN_COST:
+            return self.forward(ids, starts)
+        half, acc, h = sum(cost) / 2, 0.0, 0
+        while h < n - 1 and acc + cost[h] <= half:
+            acc += cost[h]
+            h += 1
+        h = max(h, 1)
+        other = self._pool.submit(self._forward_inference, ids[h:], starts[h:], list(range(h, n)))
+        try:
+            mine = self.forward(ids[:h], starts[:h])
+        finally:
+            theirs = other.result()
+        return torch.cat([mine, theirs])
+
+    def _forward_inference(self, ids: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
+        with torch.inference_mode():  # thread-local: the helper thread enters it itself
+            return self.forward(ids, starts, slots)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def prefill(self, slot: int, ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
         """Run ``ids`` at positions ``start..`` of slot ``slot``: logits of the last token [vocab] or of
