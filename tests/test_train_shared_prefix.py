@@ -181,6 +181,17 @@ def test_gradients_equal_per_sequence(batch, expect_groups: int) -> None:
     assert_same_grads(on, off)
 
 
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared", "per-sequence"])
+def test_fused_forward_gradients_equal_the_model_forward(shared_prefix: bool) -> None:
+    """train/fast_forward.py (its prefix_cache for groups) against HF's own forward and KV cache."""
+    seqs = mixed_batch(tiny_model())
+    kw = {"temperature": TEMP, "max_grad_norm": None, "shared_prefix": shared_prefix}
+    fast = Trainer(tiny_model(), fast_forward=True, **kw)
+    model_forward = Trainer(tiny_model(), fast_forward=False, **kw)
+    assert fast.fast_forward[id(fast.model)] and n_groups(fast, seqs) == (2 if shared_prefix else 0)
+    assert_same_grads(grads(fast, seqs), grads(model_forward, seqs))
+
+
 def test_gradients_equal_across_micro_batches_and_decoupled_passes() -> None:
     """Small micro-batches split groups (the prefix recomputed per sub-group), two mini-batches,
     two epochs (old-logprob pass), token rejection, KL to a reference and an entropy bonus."""

@@ -26,6 +26,8 @@ weights. The trainer also keeps the model's own forward under autocast and routi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -117,26 +119,72 @@ class _NormRope(torch.autograd.Function):
         return torch.addcmul(gn, n, m, value=-1.0).mul_(rstd), dw, None, None, None
 
 
-def logits_at(model: torch.nn.Module, input_ids: Tensor, keep: Tensor) -> Tensor:
-    """Logits [n_kept, vocab] (row-major over ``keep`` [B, T] bool) of a right-padded batch."""
+Past = list[tuple[Tensor, Tensor]]  # per layer: k, v [1, kv_heads, P, head_dim] of a shared prefix
+
+
+def logits_at(model: torch.nn.Module, input_ids: Tensor, keep: Tensor, past: Past | None = None) -> Tensor:
+    """Logits [n_kept, vocab] (row-major over ``keep`` [B, T] bool) of a right-padded batch; with
+    ``past`` (``prefix_cache``), the rows are continuations of that prefix (positions P..P+T-1) and
+    its gradient is the sum of theirs, like HF's repeated KV cache."""
+    x = _run(model, input_ids, past, None)
+    xk = x.view(*input_ids.shape, -1)[keep]
+    norm = model.model.norm
+    return F.linear(_norm(xk, norm.variance_epsilon) * norm.weight, model.get_output_embeddings().weight)
+
+
+def prefix_cache(model: torch.nn.Module, input_ids: Tensor) -> Past:
+    """k and v of every layer for a prefix [1, P] (what HF's KV cache holds; with gradients). No
+    logits: the last layer stops once its k and v are known."""
+    kv: Past = []
+    _run(model, input_ids, None, kv)
+    return kv
+
+
+def _run(model: torch.nn.Module, input_ids: Tensor, past: Past | None, collect: Past | None) -> Tensor:
+    """The decoder layers; a prefix (``collect`` given) appends each layer's (k, v) to it."""
     inner = model.model
     cfg = model.config
     b, t = input_ids.shape
+    p = past[0][0].shape[2] if past else 0
     emb = inner.embed_tokens
     x = F.embedding(input_ids, emb.weight, emb.padding_idx)  # padding_idx: that row gets no gradient
-    pos = torch.arange(t, device=input_ids.device).unsqueeze(0)
+    pos = torch.arange(p, p + t, device=input_ids.device).unsqueeze(0)
     cos, sin = inner.rotary_emb(x, pos)  # [1, T, hd], the model's own tables (any static rope type)
-    hd = int(inner.layers[0].self_attn.head_dim)
-    n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    half = hd // 2
+    dims = _Dims(
+        b,
+        t,
+        int(cfg.num_attention_heads),
+        int(cfg.num_key_value_heads),
+        int(inner.layers[0].self_attn.head_dim),
+    )
+    half = dims.hd // 2
     # rotate_half(x) * sin == flip_halves(x) * [-sin_1, sin_2]; [1, T, 1, hd] broadcasts over heads
     rope = (cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2))
+    # Continuation row i (position p + i) sees the whole prefix and its own tokens up to i.
+    mask = torch.arange(p + t, device=x.device) <= pos.transpose(0, 1) if past else None
     x = x.reshape(b * t, -1)
-    for layer in inner.layers:
-        x = _layer(layer, x, b, t, n_q, n_kv, hd, rope)
-    xk = x.view(b, t, -1)[keep]
-    norm = inner.norm
-    return F.linear(_norm(xk, norm.variance_epsilon) * norm.weight, model.get_output_embeddings().weight)
+    last = len(inner.layers) - 1
+    for i, layer in enumerate(inner.layers):
+        x = _layer(
+            layer,
+            x,
+            dims,
+            rope,
+            past[i] if past else None,
+            mask,
+            collect,
+            kv_only=collect is not None and i == last,
+        )
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    b: int  # rows
+    t: int  # tokens per row
+    n_q: int  # query heads
+    n_kv: int  # key/value heads
+    hd: int  # head dim
 
 
 def _flip(x: Tensor) -> Tensor:
@@ -147,12 +195,12 @@ def _flip(x: Tensor) -> Tensor:
 def _layer(
     layer: torch.nn.Module,
     x: Tensor,
-    b: int,
-    t: int,
-    n_q: int,
-    n_kv: int,
-    hd: int,
+    d: _Dims,
     rope: tuple[Tensor, Tensor],
+    past: tuple[Tensor, Tensor] | None,
+    mask: Tensor | None,
+    collect: Past | None,
+    kv_only: bool = False,
 ) -> Tensor:
     """One decoder layer on x [B*T, hidden] -> [B*T, hidden]. Norm weights are folded into the
     weights that follow them (linear(n * w, W) == linear(n, W * w)), which are small next to the
@@ -162,20 +210,28 @@ def _layer(
     w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * layer.input_layernorm.weight
     biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
     b_qkv = torch.cat(biases) if all(v is not None for v in biases) else None
-    nqk = n_q + n_kv
+    nqk = d.n_q + d.n_kv
     # split(), not slicing: its backward is one cat, where each slice's is a zero-filled copy
-    qk, v = F.linear(h, w_qkv, b_qkv).view(b, t, nqk + n_kv, hd).split([nqk, n_kv], dim=2)
+    qk, v = F.linear(h, w_qkv, b_qkv).view(d.b, d.t, nqk + d.n_kv, d.hd).split([nqk, d.n_kv], dim=2)
     cos, sin = rope
     if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before rotary
-        w = torch.cat([a.q_norm.weight.expand(n_q, hd), a.k_norm.weight.expand(n_kv, hd)])
+        w = torch.cat([a.q_norm.weight.expand(d.n_q, d.hd), a.k_norm.weight.expand(d.n_kv, d.hd)])
         qk = _NormRope.apply(qk, w, cos, sin, a.q_norm.variance_epsilon)
     else:
         qk = torch.addcmul(qk * cos, _flip(qk), sin)
-    q, k = (z.transpose(1, 2) for z in qk.split([n_q, n_kv], dim=2))
+    q, k = (z.transpose(1, 2) for z in qk.split([d.n_q, d.n_kv], dim=2))
+    v = v.transpose(1, 2)
+    if collect is not None:
+        collect.append((k, v))
+    if kv_only:
+        return x
+    if past is not None:  # the prefix's k/v for every row (expand: its gradient sums the rows')
+        k = torch.cat([past[0].expand(d.b, -1, -1, -1), k], dim=2)
+        v = torch.cat([past[1].expand(d.b, -1, -1, -1), v], dim=2)
     out = F.scaled_dot_product_attention(
-        q, k, v.transpose(1, 2), is_causal=True, scale=float(a.scaling), enable_gqa=n_q != n_kv
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=float(a.scaling), enable_gqa=d.n_q != d.n_kv
     )
-    x = torch.addmm(x, out.transpose(1, 2).reshape(b * t, n_q * hd), a.o_proj.weight.t())
+    x = torch.addmm(x, out.transpose(1, 2).reshape(d.b * d.t, d.n_q * d.hd), a.o_proj.weight.t())
     h = _norm(x, layer.post_attention_layernorm.variance_epsilon)
     w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * layer.post_attention_layernorm.weight
     gate, up = F.linear(h, w_gu).chunk(2, dim=-1)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from legorl.records import TrainingSequence
+from legorl.train import fast_forward
 from legorl.train.logprobs import sequence_logprobs, token_logprobs_and_entropy
 
 MIN_SHARED_PREFIX = 64  # tokens; a shorter shared prefix saves less than an extra forward costs
@@ -156,15 +157,16 @@ def shared_logprobs(
     """``sequence_logprobs`` (with ``loss_mask``) of a right-padded batch whose ``groups`` (row
     numbers) share a prefix: same [B, T-1] outputs, 0 off the loss mask; rows in no group run the
     per-sequence path. Without groups, or for a model ``supports`` rejects, it IS that path.
-    ``fast``: per-sequence forwards use train/fast_forward.py (the prefix forwards use HF's cache)."""
+    ``fast``: every forward runs train/fast_forward.py (prefixes through its ``prefix_cache``)."""
     kw = {"temperature": temperature, "top_p": top_p, "entropy_grad": entropy_grad, "top_k": top_k}
     if not groups or not supports(model):
         return sequence_logprobs(model, input_ids, attention_mask, loss_mask=loss_mask, fast=fast, **kw)
     grouped = {r for g in groups for r in g.members}
     rest = [r for r in range(input_ids.shape[0]) if r not in grouped]
+    kw["fast"] = fast
     parts = [_group_part(model, input_ids, attention_mask, loss_mask, g, kw) for g in groups]
     if rest and bool(loss_mask[rest].any()):
-        parts.append(_rest_part(model, input_ids, attention_mask, loss_mask, rest, {**kw, "fast": fast}))
+        parts.append(_rest_part(model, input_ids, attention_mask, loss_mask, rest, kw))
     rows, cols, lp, ent = (torch.cat(x) for x in zip(*parts))
     logp = lp.new_zeros(loss_mask.shape).index_put((rows, cols), lp)
     entropy = ent.new_zeros(loss_mask.shape).index_put((rows, cols), ent)
@@ -192,26 +194,29 @@ def _group_part(
     if bool(loss_mask[idx, :p].any()):  # their logits would come from the prefix, which has none
         raise ValueError(f"prefix group {g}: loss tokens within the first {p + 1} tokens (see shareable)")
     width = int(attn[idx].sum(1).max()) - p  # the longest continuation
-    base = model.base_model
-    prefix = base(input_ids=ids[idx[:1], :p], use_cache=True)
-    cache = _cache_of(prefix)
-    cache.batch_repeat_interleave(k)  # differentiable: the prefix gets the sum of k gradients
     cont = ids[idx, p : p + width]
-    cont_attn = torch.cat([attn.new_ones(k, p), attn[idx, p : p + width]], dim=1)
     # Continuation position j predicts token p + j + 1, i.e. loss-mask column p + j; one zero
     # column past the end covers the longest row's last position (it predicts nothing).
     keep = F.pad(loss_mask[idx], (0, 1))[:, p : p + width]
     targets = F.pad(ids[idx], (0, 1))[:, p + 1 : p + width + 1]
-    positions = torch.arange(p, p + width, device=ids.device).unsqueeze(0).expand(k, -1)
-    out = model(
-        input_ids=cont,
-        attention_mask=cont_attn,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=keep,
-        **{_cache_kw(model): cache},
-    )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])  # [n_kept, vocab], row-major like keep
+    if kw.get("fast"):  # train/fast_forward.py: the prefix's k/v, then the continuations against them
+        past = fast_forward.prefix_cache(model, ids[idx[:1], :p])
+        logits = fast_forward.logits_at(model, cont, keep, past=past)
+    else:
+        prefix = model.base_model(input_ids=ids[idx[:1], :p], use_cache=True)
+        cache = _cache_of(prefix)
+        cache.batch_repeat_interleave(k)  # differentiable: the prefix gets the sum of k gradients
+        cont_attn = torch.cat([attn.new_ones(k, p), attn[idx, p : p + width]], dim=1)
+        positions = torch.arange(p, p + width, device=ids.device).unsqueeze(0).expand(k, -1)
+        out = model(
+            input_ids=cont,
+            attention_mask=cont_attn,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{_cache_kw(model): cache},
+        )
+        logits = out.logits.reshape(-1, out.logits.shape[-1])  # [n_kept, vocab], row-major like keep
     lp, ent = token_logprobs_and_entropy(
         logits, targets[keep], kw["temperature"], kw["top_p"], kw["entropy_grad"], kw["top_k"]
     )
