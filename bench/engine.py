@@ -223,7 +223,8 @@ def main() -> None:
                 f"(issue 24 targets: >= 5,000 tokens/s and >= 30x); per CPU-second (process CPU time, which "
                 f"other jobs on the machine move much less than wall time): {fast.per_cpu:.0f} vs "
                 f"{peer.per_cpu:.0f} tokens, **{fast.per_cpu / peer.per_cpu:.1f}x**. Prefix reuse alone: "
-                f"{fast.tps / plain.tps:.1f}x over the same engine without it."
+                f"{fast.tps / plain.tps:.1f}x over the same engine without it. What bounds it: docs/experiments.md "
+                "(engine, 2026-12-02)."
             ),
             (
                 f"- Workload: tiny Qwen3 ({params / 1e6:.1f} M params, hidden {spec.hidden_size}, {spec.num_layers} layers, "
