@@ -142,8 +142,10 @@ def run_peer(model, tok, args) -> Row:
 
 def table(rows: list[Row], peer: Row) -> str:
     lines = [
-        "| run | sessions | generated tokens | wall s | tokens/s | vs peer | CPU s | tokens/CPU-s | vs peer (CPU) "
-        "| prefill computed | prefill reused |",
+        (
+            "| run | sessions | generated tokens | wall s | tokens/s | vs peer | CPU s | tokens/CPU-s "
+            "| vs peer (CPU) | prefill computed | prefill reused |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

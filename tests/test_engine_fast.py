@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from legorl.engine import EngineError, LocalEngine, sampling_logprobs, token_logprobs
-from legorl.engine import fast
+from legorl.engine import EngineError, LocalEngine, fast, sampling_logprobs, token_logprobs
 from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
 from legorl.engine.sampling import BatchParams, sample_batch
@@ -99,7 +98,9 @@ def test_fast_forward_matches_hf_logits(kind: str, model, moe, tok) -> None:
 
 
 @pytest.mark.parametrize("kind,split", [("dense", False), ("moe", False), ("dense", True), ("moe", True)])
-def test_one_step_mixes_decoding_and_joining_rows(kind: str, split: bool, model, moe, tok, monkeypatch) -> None:
+def test_one_step_mixes_decoding_and_joining_rows(
+    kind: str, split: bool, model, moe, tok, monkeypatch
+) -> None:
     """An engine step packs decoding rows (one token each) and joining rows (a prompt remainder after a
     cached prefix, or a whole prompt) into one forward; every row's logits equal the HF model's, and
     the KV it wrote serves the next step. Dense models take the last-layer shortcut (only each row's

@@ -88,7 +88,9 @@ def _lin_bias(module: torch.nn.Module) -> torch.Tensor | None:
 class FastDecoder:
     """Weights of a Qwen3-family model plus a slot KV cache; forward for prefill and batched decode."""
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int, split_threads: bool = False) -> None:
+    def __init__(
+        self, model: PreTrainedModel, num_slots: int, max_len: int, split_threads: bool = False
+    ) -> None:
         cfg = model.config
         self.model = model
         self.num_slots, self.max_len = num_slots, max_len
@@ -108,8 +110,12 @@ class FastDecoder:
         # are a plain q @ K matmul (twice as fast as q @ K^T for the few queries per head); values
         # [layers, slots, kv_heads, max_len, head_dim].
         size = (self.n_layers, num_slots, self.n_kv, self.head_dim * max_len)
-        self.k = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(-1, (self.head_dim, max_len))
-        self.v = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(-1, (max_len, self.head_dim))
+        self.k = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(
+            -1, (self.head_dim, max_len)
+        )
+        self.v = torch.zeros(size, dtype=self.dtype, device=self.device).unflatten(
+            -1, (max_len, self.head_dim)
+        )
         # Offsets of (kv head, dim) in a slot's flattened keys, and of a kv head in its values.
         heads = torch.arange(self.n_kv, device=self.device)
         self._k_off = ((heads.unsqueeze(1) * self.head_dim + torch.arange(self.head_dim)) * max_len).flatten()
@@ -345,7 +351,12 @@ class FastDecoder:
             offset += lens[r]
         # Only the last token of every row needs the last layer's output (not with MoE routes: they
         # are recorded for every token); its attention then runs for all rows together.
-        cut = not all_logits and self.routes is None and slot_list == list(range(first, first + n)) and total > n
+        cut = (
+            not all_logits
+            and self.routes is None
+            and slot_list == list(range(first, first + n))
+            and total > n
+        )
         last_bias = self._row_bias([e - 1 for e in ends]) if cut else None
         last_idx = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1  # rows' last tokens
 
@@ -363,7 +374,11 @@ class FastDecoder:
                 for off, t, slot, end, mask in singles:
                     parts.append(self._prefill_attention(i, q[off : off + t], slot, end, mask))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x = torch.addmm(x, attn, layer.wo.t()) if layer.bo is None else x + F.linear(attn, layer.wo, layer.bo)
+            x = (
+                torch.addmm(x, attn, layer.wo.t())
+                if layer.bo is None
+                else x + F.linear(attn, layer.wo, layer.bo)
+            )
             x, routes = self._mlp(layer, x)
             if routes is not None and self.routes is not None:
                 self.routes[slot_t, pos, moe_i] = routes.to(torch.int16)
@@ -383,7 +398,10 @@ class FastDecoder:
         if self._pool is None or n < 2:
             return self.forward(ids, starts)
         # Cost of a row: its new tokens' matmuls plus the keys they read (in units of one hidden-sized MAC).
-        cost = [len(x) * (self._token_cost + (s + len(x)) * self._key_cost) for x, s in zip(ids, starts, strict=True)]
+        cost = [
+            len(x) * (self._token_cost + (s + len(x)) * self._key_cost)
+            for x, s in zip(ids, starts, strict=True)
+        ]
         if sum(cost) < _SPLIT_MIN_COST:
             return self.forward(ids, starts)
         half, acc, h = sum(cost) / 2, 0.0, 0

@@ -69,7 +69,9 @@ class HFDecoder:
 
     def step(self, ids: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One engine step over slots ``0..n-1``: logits of each row's last token [n, vocab]."""
-        return torch.stack([self._forward(i, x, s)[-1] for i, (x, s) in enumerate(zip(ids, starts, strict=True))])
+        return torch.stack(
+            [self._forward(i, x, s)[-1] for i, (x, s) in enumerate(zip(ids, starts, strict=True))]
+        )
 
     def _slot_routes(self, slot: int, n: int) -> torch.Tensor | None:
         if self.routes is None or self.routes[slot] is None:
