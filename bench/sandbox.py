@@ -7,6 +7,10 @@ In one run, on the same machine:
   (materialising the orphan-commit repo) is reported on its own line;
 * per-command exec latency of a trivial command inside a live sandbox, through the async API
   and through the blocking ``SandboxClient`` a harness worker uses, p50/p99;
+* the pool (``sandbox.pool_size``, ``sandbox/pool.py``): hand-out of a pre-started sandbox through
+  ``create_sandbox`` (the prepared workspace moved in, chowned to the sandbox's uid, watchdog armed) until
+  it is returned, p50/p99, with the pool refilled between hand-outs (not timed); and 32 hand-outs at once
+  from a pool of 32: wall time until all are ready, next to 32 fresh starts at once in the same run;
 * the floor: the same command as a bare ``bash -c`` subprocess of this process;
 * the peer: mini-swe-agent's ``BubblewrapEnvironment`` (a new bwrap per command, no limits);
 * 32 sandboxes started at once: wall time until all are ready, per-sandbox start p50/p99, one
@@ -16,7 +20,8 @@ In one run, on the same machine:
 * a fork bomb under a low process limit whose command times out: what was ended, how long the
   clean-up took, and whether the next command in that sandbox succeeds.
 
-Targets: per-command exec within 2x of the bare subprocess; start p50 under 20 ms; the quiet
+Targets: per-command exec within 2x of the bare subprocess; start p50 under 20 ms; pool hand-out p50
+under 10 ms and 32 hand-outs at once all ready under 300 ms; the quiet
 sandbox's exec p50 next to a busy neighbour at most 1.5x its p50 alone; after a fork bomb's command
 times out, the next command succeeds.
 ``--write`` puts the table in BENCHMARKS.md, section "## Sandbox".
@@ -39,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from legorl.sandbox import SandboxLimits
+from legorl.config import SandboxConfig
+from legorl.sandbox import SandboxLimits, create_sandbox, reap_sandboxes
 from legorl.sandbox.bwrap import (
     BwrapSandbox,
     bwrap_argv,
@@ -49,7 +55,9 @@ from legorl.sandbox.bwrap import (
     sandbox_path_env,
 )
 from legorl.sandbox.client import SandboxClient
+from legorl.sandbox.control import RELAY_PORT
 from legorl.sandbox.cpushare import support
+from legorl.sandbox.pool import pool_for
 from legorl.sandbox.procs import cmdline
 from legorl.tasks import generate_tasks, prepare_repo
 
@@ -173,6 +181,79 @@ async def bench_concurrent(base: Path, repo_src: Path, k: int) -> dict[str, floa
     return {"all_ready": all_ready, "starts": [s for _, s in started], "exec_wall": exec_wall, "teardown": teardown}
 
 
+def _pool_spec(root: Path, label: str) -> dict:
+    """create_sandbox's backend arguments for a rollout under ``root`` (the factory's defaults)."""
+    return {"workspace": root / "x" / "workspace", "sandbox_dir": root / "x", "label": label, "proxy_socket": None,
+                "relay_port": RELAY_PORT, "hide_paths": (), "limits": None, "inside_workspace": "/workspace", "env": None,
+                "ro_binds": None, "visible_paths": (), "sandbox_uid": None, "cpus": None}  # fmt: skip
+
+
+async def bench_pool(base: Path, repo_src: Path, n: int, size: int = 4) -> dict[str, list[float]]:
+    """Hand-outs from a full pool, one at a time (refilled in between, untimed), and each refill's wait."""
+    root = base / "pool" / "sandboxes"
+    root.mkdir(parents=True)
+    cfg = SandboxConfig(pool_size=size)
+    pool = pool_for(size)
+    handouts, refills, firsts = [], [], []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            assert await pool.prewarm(_pool_spec(root, "bench-pool"), size) == size, pool.stats
+            refills.append(time.perf_counter() - t)
+            await asyncio.sleep(0.05)  # let the last start settle (its agent imports after ready)
+            shutil.copytree(repo_src, root / f"r{i}" / "workspace", symlinks=True)
+            hits = pool.stats.hits
+            t = time.perf_counter()
+            box = await create_sandbox(cfg, workspace=root / f"r{i}" / "workspace", sandbox_dir=root / f"r{i}",
+                                       label="bench-pool")  # fmt: skip
+            handouts.append(time.perf_counter() - t)
+            assert pool.stats.hits == hits + 1, pool.stats
+            t = time.perf_counter()
+            r = await box.exec("git status --porcelain | wc -l")
+            firsts.append(time.perf_counter() - t)
+            assert r.output.strip() == "0", r.output
+            await box.close()
+    finally:
+        await reap_sandboxes(cfg, root)
+    return {"handouts": handouts, "refills": refills[1:], "firsts": firsts}
+
+
+async def bench_pool_concurrent(base: Path, repo_src: Path, k: int) -> dict:
+    """``k`` hand-outs at once from a pool of ``k``."""
+    root = base / "poolk" / "sandboxes"
+    root.mkdir(parents=True)
+    cfg = SandboxConfig(pool_size=k)
+    pool = pool_for(k)
+    try:
+        t = time.perf_counter()
+        assert await pool.prewarm(_pool_spec(root, "bench-poolk"), k) == k, pool.stats
+        fill = time.perf_counter() - t
+        await asyncio.sleep(0.2)
+        for i in range(k):
+            shutil.copytree(repo_src, root / f"c{i}" / "workspace", symlinks=True)
+        hits = pool.stats.hits
+
+        async def one(i: int) -> tuple[BwrapSandbox, float]:
+            t = time.perf_counter()
+            box = await create_sandbox(cfg, workspace=root / f"c{i}" / "workspace", sandbox_dir=root / f"c{i}",
+                                       label="bench-poolk")  # fmt: skip
+            return box, time.perf_counter() - t  # type: ignore[return-value]
+
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(i) for i in range(k)))
+        all_ready = time.perf_counter() - t0
+        assert pool.stats.hits == hits + k, pool.stats
+        boxes = [b for b, _ in got]
+        t1 = time.perf_counter()
+        results = await asyncio.gather(*(b.exec(COMMAND) for b in boxes))
+        exec_wall = time.perf_counter() - t1
+        assert all(r.output == "hi\n" for r in results)
+        await asyncio.gather(*(b.close() for b in boxes))
+    finally:
+        await reap_sandboxes(cfg, root)
+    return {"all_ready": all_ready, "each": [s for _, s in got], "exec_wall": exec_wall, "fill": fill}
+
+
 async def _execs(box: BwrapSandbox, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -264,6 +345,8 @@ async def run(args: argparse.Namespace) -> str:
         bare, async_lat, sync_lat = await bench_exec(base, repo_src, args.commands)
         peer = bench_peer(base, repo_src, args.peer_commands)
         conc = await bench_concurrent(base / "conc", repo_src, args.concurrent)
+        pooled = await bench_pool(base, repo_src, args.handouts)
+        pconc = await bench_pool_concurrent(base, repo_src, args.concurrent)
         nb = await bench_neighbour(base, repo_src, args.neighbour_commands)
         bomb = await bench_fork_bomb(base, repo_src)
     finally:
@@ -288,6 +371,12 @@ async def run(args: argparse.Namespace) -> str:
         row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
         row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]
             f"all ready after {conc['all_ready'] * 1000:.0f} ms"),
+        row("pool hand-out (`create_sandbox`, `pool_size: 4`)", pooled["handouts"], None,
+            "workspace moved in, chowned, watched"),
+        row("  first command after a hand-out (`git status`)", pooled["firsts"], None, "the sandbox works at once"),
+        row("  refill behind a hand-out (background)", pooled["refills"], None, "a fresh start, off the rollout's path"),
+        row(f"pool hand-out, {args.concurrent} at once (each)", pconc["each"], None,
+            f"all ready after {pconc['all_ready'] * 1000:.1f} ms"),
         row("quiet sandbox exec, alone", nb["alone"], floor, "own CPU share (cgroup)"),
         row(f"quiet sandbox exec, neighbour busy on all {os.cpu_count()} cores", nb["busy"], floor,
             f"**{pct(nb['busy'], 50) / pct(nb['alone'], 50):.2f}x** its p50 alone"),
@@ -301,6 +390,8 @@ async def run(args: argparse.Namespace) -> str:
     exec_ratio = pct(async_lat, 50) / floor
     sync_ratio = pct(sync_lat, 50) / floor
     start_p50 = pct(starts, 50) * 1000
+    handout_p50, handout_p99 = pct(pooled["handouts"], 50) * 1000, pct(pooled["handouts"], 99) * 1000
+    pool_all = pconc["all_ready"] * 1000
     peer_line = "" if isinstance(peer, str) else (
         f" mini-swe-agent's bubblewrap environment pays a sandbox start per command: "
         f"**{pct(peer, 50) / pct(async_lat, 50):.1f}x** slower per command than a live legorl sandbox."
@@ -316,6 +407,15 @@ async def run(args: argparse.Namespace) -> str:
         (f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
          f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in "
          f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms."),
+        (f"- Pool (`sandbox.pool_size`): a hand-out p50 **{handout_p50:.2f} ms** (p99 {handout_p99:.1f} ms; target < 10 ms: "
+         f"{'met' if handout_p50 < 10 else 'NOT met'}), **{start_p50 / handout_p50:.0f}x** faster than a fresh start "
+         f"in this run; {args.concurrent} hand-outs at once: all ready in **{pool_all:.1f} ms** (target < 300 ms: "
+         f"{'met' if pool_all < 300 else 'NOT met'}) against {conc['all_ready'] * 1000:.0f} ms for "
+         f"{args.concurrent} fresh starts at once ({conc['all_ready'] * 1000 / pool_all:.0f}x); filling that pool "
+         f"took {pconc['fill'] * 1000:.0f} ms in the background, one command in each of the {args.concurrent} took "
+         f"{pconc['exec_wall'] * 1000:.0f} ms. A hand-out is renames (the workspace's entries into the pooled "
+         "sandbox's bound dir, that dir to the workspace path, its control dir to the sandbox dir), a chown of "
+         "the workspace to the sandbox's uid and the watchdog's entry; the refill starts after it returns."),
         (f"- Noisy neighbour: next to a sandbox running a busy loop on every core, a quiet sandbox's exec p50 is "
          f"**{nb_ratio:.2f}x** its p50 alone with each sandbox's CPU share (target <= 1.5x: "
          f"{'met' if nb_ratio <= 1.5 else 'NOT met'}), {plain_ratio:.2f}x without ({share.kind}: "
@@ -326,9 +426,9 @@ async def run(args: argparse.Namespace) -> str:
          f"`{bomb['note']}`."),
         ("- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
          "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
-         "before it signals ready on a pipe; no polling). What would cut it: a pre-forked pool of sandboxes "
-         "whose workspace is bound in at hand-out, or a small static agent binary instead of CPython "
-         "(saves the interpreter start, the largest user-space part)."),
+         "before it signals ready on a pipe; no polling). The pool above takes it off the rollout's path; "
+         "what would still cut the start itself (the pool's refill cost): a small static agent binary instead "
+         "of CPython (saves the interpreter start, the largest user-space part)."),
         (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent (a `ping` "
          "alone is ~0.5 ms), whose zygote forks `bash -c` (its own child subreaper, so that a timeout can end "
          "all it started) with the sandbox's limits; the floor forks `bash -c` "
@@ -338,8 +438,9 @@ async def run(args: argparse.Namespace) -> str:
          f"{bwrap_version.split()[-1]}, Python {platform.python_version()}; load average {load_before} before / "
          f"{load()} after. The machine is shared with other jobs: absolute figures move with load; ratios "
          "measured in the same run are the comparable numbers."),
-        (f"- Reproduce: `python bench/sandbox.py --write` (defaults: {args.starts} starts, {args.commands} "
-         f"commands, {args.concurrent} concurrent, {args.neighbour_commands} commands per neighbour phase)."),
+        (f"- Reproduce: `python bench/sandbox.py --write` (this run: {args.starts} starts, {args.handouts} hand-outs, "
+         f"{args.commands} commands, {args.concurrent} concurrent, {args.neighbour_commands} commands per neighbour "
+         "phase)."),
     ]  # fmt: skip
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
@@ -350,6 +451,7 @@ def main() -> None:
     ap.add_argument("--commands", type=int, default=300, help="commands per exec measurement")
     ap.add_argument("--peer-commands", type=int, default=60, help="commands through the peer")
     ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--handouts", type=int, default=40, help="pool hand-outs, one at a time")
     ap.add_argument("--neighbour-commands", type=int, default=100, help="commands per noisy-neighbour phase")
     ap.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md (## Sandbox)")
     args = ap.parse_args()

@@ -141,6 +141,9 @@ class SandboxConfig(_Section):
     # workspace_mb, tmp_mb, address_space_mb); unset keys keep legorl's defaults (docs/sandbox.md).
     limits: dict[str, float | None] = Field(default_factory=dict)
     uid: int | None = None  # a root driver runs each sandbox as its own unprivileged uid; 0 = stay root
+    # bwrap only: pre-started sandboxes kept waiting (all kinds together), handed out with their workspace in
+    # about a millisecond; 0 = off, every sandbox starts fresh (sandbox/pool.py, docs/sandbox.md).
+    pool_size: int = Field(4, ge=0)
     # docker only: the image (a task's own `image` wins; never pulled) and the engine (None: DOCKER_HOST or
     # the docker CLI's default; podman: unix:///run/podman/podman.sock). scripts/sandbox-image.sh builds both.
     image: str = "legorl/debian-python:bookworm"
@@ -159,6 +162,9 @@ class SandboxConfig(_Section):
         for key in _changed(self, "image", "docker_host") if self.kind != "docker" else []:
             raise ValueError(f"sandbox.{key} is not honoured by sandbox.kind {self.kind}: it configures containers "
                              "(sandbox.kind docker)")
+        if self.kind == "docker" and _changed(self, "pool_size"):
+            raise ValueError("sandbox.pool_size is not honoured by sandbox.kind docker: only bubblewrap sandboxes "
+                             "are pooled (docs/sandbox.md)")
         return self
 
     @field_validator("limits")

@@ -45,6 +45,7 @@ from legorl.sandbox.cpushare import CpuShare, remove_empty
 from legorl.sandbox.limits import MiB, SandboxLimits
 from legorl.sandbox.procs import alive, cmdline, kill_tree, process_tree
 from legorl.sandbox.rootfs import hidden_inside, passwd_lines, visible_paths
+from legorl.sandbox.spawn import Spawned, spawn
 
 __all__ = ["BwrapSandbox", "bwrap_argv", "kill_tree", "process_tree", "reap_orphans", "sandbox_ids"]
 
@@ -100,7 +101,7 @@ def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 _DISCARDING: set[asyncio.Task] = set()
 
 
-async def _discard(proc: asyncio.subprocess.Process, start_timeout: float) -> None:
+async def _discard(proc: Spawned, start_timeout: float) -> None:
     """Kill a sandbox whose creator was cancelled, once it has started: killing bwrap mid-fork can
     orphan its inner process before that one has asked to die with its parent."""
     try:
@@ -112,18 +113,18 @@ async def _discard(proc: asyncio.subprocess.Process, start_timeout: float) -> No
         kill_tree(proc.pid)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(proc.wait(), 10)
+    proc.close_pipes()
 
 
-def _discard_later(proc: asyncio.subprocess.Process, start_timeout: float) -> None:
+def _discard_later(proc: Spawned, start_timeout: float) -> None:
     task = asyncio.get_running_loop().create_task(_discard(proc, start_timeout))
     _DISCARDING.add(task)  # held: the cancelled creator no longer references it
     task.add_done_callback(_DISCARDING.discard)
 
 
-def _discard_spawned(spawn: asyncio.Future, start_timeout: float) -> None:
-    """Done-callback of a spawn whose creator was cancelled: discard the sandbox if bwrap started."""
-    if not spawn.cancelled() and spawn.exception() is None:
-        _discard_later(spawn.result(), start_timeout)
+def discarding() -> set[asyncio.Task]:
+    """The discards of cancelled creations still running: a loop that ends should let them finish."""
+    return set(_DISCARDING)
 
 
 def bwrap_argv(
@@ -216,7 +217,7 @@ def bwrap_argv(
 class BwrapSandbox(ControlledSandbox):
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
+        proc: Spawned,
         workspace: Path,
         sandbox_dir: Path,
         label: str,
@@ -227,6 +228,8 @@ class BwrapSandbox(ControlledSandbox):
         self.proc = proc
         self.inside_workspace = inside_workspace
         self.cpu_share: CpuShare | None = None  # its cgroup (or nice) once started; see cpushare.py
+        self.ids: tuple[int, int] | None = None  # the uid/gid it runs as (a root driver), else None
+        self.pool_slot: Path | None = None  # its dir while it waits in the pool (pool.py); None once handed out
 
     @property
     def pid(self) -> int:
@@ -253,6 +256,7 @@ class BwrapSandbox(ControlledSandbox):
         sandbox_uid: int | None = None,
         cpus: float | None = None,
         cpu_share: bool = True,
+        watch: bool = True,
     ) -> BwrapSandbox:
         """Start bwrap and return once the in-sandbox agent accepts commands.
 
@@ -262,6 +266,7 @@ class BwrapSandbox(ControlledSandbox):
         ``visible_paths`` adds host paths to the read-only view (toolchains); ``hide_paths``
         are covered even when inside a visible dir. ``sandbox_uid`` overrides the uid a root
         driver drops to (default: a random one per sandbox; 0: stay root, no process limit).
+        ``watch=False`` leaves it off the watchdog: the pool (pool.py) puts it there at hand-out.
         """
         limits = limits or SandboxLimits()
         if memory_mb is not None:
@@ -300,13 +305,14 @@ class BwrapSandbox(ControlledSandbox):
             json.dumps({"label": label, "bwrap_pid": proc.pid, "started": time.time(), "uid": ids and ids[0]})
         )
         box = cls(proc, workspace, sandbox_dir, label, relay_port, inside_workspace)
-        box.cpu_share = share
+        box.cpu_share, box.ids = share, ids
         await box._until_ready(start_timeout)
         if share is not None and share.path is not None and not share.attach(process_tree(proc.pid)):
             share.remove()  # removed under us (another run's reap, between mkdir and here): once more
             box.cpu_share = share = CpuShare.create(label, cpus)
             share.attach(process_tree(proc.pid))
-        box._watch(limits, proc.pid, memory=True)
+        if watch:
+            box._watch(limits, proc.pid, memory=True)
         return box
 
     async def _until_ready(self, start_timeout: float) -> None:
@@ -333,6 +339,7 @@ class BwrapSandbox(ControlledSandbox):
             await asyncio.wait_for(self.proc.wait(), 10)
         except TimeoutError:
             pass
+        self.proc.close_pipes()
         share = self.cpu_share
         for _ in range(50):  # the last processes leave the cgroup a moment after bwrap is reaped
             if share is None or share.remove():
@@ -355,29 +362,21 @@ async def _enter_as(
     return passwd_dir
 
 
-async def _spawn(argv: list[str], log_path: Path, start_timeout: float) -> asyncio.subprocess.Process:
-    """Start bwrap, its stderr to ``log_path``.
+async def _spawn(argv: list[str], log_path: Path, start_timeout: float) -> Spawned:
+    """Start bwrap, its stderr to ``log_path``; its stdin a pipe (the agent's lifeline: it exits when this
+    process is gone), its stdout the pipe the agent says ``ready`` on.
 
-    Shielded: cancelling asyncio's subprocess set-up midway can leave the started bwrap unowned
-    (a leaked sandbox) or hang the canceller on CPython 3.11. A cancelled caller leaves at once;
-    the spawn completes on its own and the sandbox is killed when it does.
+    Synchronous (spawn.py): asyncio's subprocess set-up, cancelled midway (as every task is at the end of
+    ``asyncio.run``), could leave the started bwrap unowned or hang the loop's end on CPython 3.11; here
+    there is nothing to interrupt between the fork and the caller owning the process.
     """
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,  # the agent's lifeline: it exits when this process is gone
-        stdout=asyncio.subprocess.PIPE,
-        stderr=log,
-        start_new_session=True,
-    ))
-    spawn.add_done_callback(lambda _: os.close(log))  # not before: a cancelled caller's spawn still uses it
     try:
-        return await asyncio.shield(spawn)
-    except asyncio.CancelledError:
-        spawn.add_done_callback(lambda f: _discard_spawned(f, start_timeout))
-        raise
+        return spawn(argv, log)
     except OSError as e:
         raise SandboxError(f"could not start bwrap: {e}") from e
+    finally:
+        os.close(log)
 
 
 def _is_our_bwrap(pid: int, ctl: str) -> bool:
@@ -397,10 +396,13 @@ async def reap_orphans(sandboxes_root: Path, label: str | None = None) -> list[i
     if root.exists():
         for label_file in root.rglob("label.json"):
             try:
-                pid = int(json.loads(label_file.read_text())["bwrap_pid"])
+                data = json.loads(label_file.read_text())
+                pid = int(data["bwrap_pid"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if _is_our_bwrap(pid, str(label_file.parent.resolve() / "ctl")):
+            # "ctl": where its bwrap bound the control dir from, when it was started in the pool (pool.py)
+            ctl = data.get("ctl") if isinstance(data.get("ctl"), str) else str(label_file.parent.resolve() / "ctl")
+            if _is_our_bwrap(pid, ctl):
                 kill_tree(pid)
                 killed.append(pid)
     if label is not None:

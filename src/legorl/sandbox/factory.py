@@ -76,6 +76,10 @@ async def create_sandbox(
         from legorl.sandbox.docker import DockerSandbox
 
         return await DockerSandbox.create(**common, image=image or cfg.image, docker_host=cfg.docker_host)
+    if cfg.pool_size > 0:  # a pre-started one when one of these settings waits (pool.py), else a fresh start
+        from legorl.sandbox.pool import pool_for
+
+        return await pool_for(cfg.pool_size).create(common)
     from legorl.sandbox.bwrap import BwrapSandbox
 
     return await BwrapSandbox.create(**common)
@@ -94,10 +98,13 @@ def sandbox_unavailable(cfg: SandboxConfig | None = None, image: str | None = No
 
 
 async def reap_sandboxes(cfg: SandboxConfig | None, sandboxes_root: Path, label: str | None = None) -> list:
-    """Leftovers of a killed earlier run: the bwraps under ``sandboxes_root`` and, on docker, every container
-    labelled with the run's ``label`` (any state). Returns what was killed (pids, container ids)."""
+    """Leftovers of a killed earlier run, or of this one at its end: the pooled sandboxes waiting under
+    ``sandboxes_root`` (closed), the bwraps there and, on docker, every container labelled with the run's
+    ``label`` (any state). Returns what was killed (pids, container ids)."""
     from legorl.sandbox.bwrap import reap_orphans
+    from legorl.sandbox.pool import close_pools
 
+    await close_pools(Path(sandboxes_root))  # this loop's pooled sandboxes there, closed in order first
     killed: list = list(await reap_orphans(sandboxes_root))
     if cfg is not None and cfg.kind == "docker" and label is not None:
         from legorl.sandbox.docker import reap_docker
