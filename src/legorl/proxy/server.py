@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import socket
@@ -65,6 +66,22 @@ def _json_response(obj: Any, status: int = 200) -> Response:
     return Response(_dumps(obj), status_code=status, media_type="application/json")
 
 
+_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Once per process: what is alive when the proxy starts (imports, tokenizer, model) leaves the cyclic
+    collector's view (`gc.freeze`). Each call's short-lived objects get promoted while 64 sessions are in
+    flight, so full collections come every few hundred calls; scanning the startup heap then took about 30 %
+    of the proxy's CPU at 64 sessions. Objects are still freed by reference counting; only garbage cycles
+    among the frozen objects (none expected) would stay."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 def session_key(request: Request) -> str | None:
     """The session: from the path, else the API key (Bearer or x-api-key)."""
     token = request.path_params.get("session")
@@ -100,8 +117,9 @@ class Proxy:
                  model_name: str = "legorl-policy", on_call: Callable[[LLMCall], None] | None = None,
                  parser: ToolCallParser | None = None, accept_new_sessions: bool = False,
                  strict_fields: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-                 keepalive_s: float = KEEPALIVE_S):
+                 keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True):
         self.tok = tokenizer
+        self.freeze_heap = freeze_heap
         self.core = CallCore(engine, tokenizer, sampling=sampling or SamplingOverride(),
                              parser=parser or TaggedJsonParser(), model_name=model_name, on_call=on_call)
         self.sessions = SessionRegistry(accept_new=accept_new_sessions)
@@ -196,6 +214,8 @@ class Proxy:
             unix_socket.chmod(0o666)
             sockets.append(us)
             self.unix_socket = unix_socket
+        if self.freeze_heap:
+            freeze_startup_heap()
         await self._loop_server.start(sockets)  # the driver owns signal handling
 
     async def stop(self) -> None:
