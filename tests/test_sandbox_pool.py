@@ -342,3 +342,80 @@ def test_pooled_sandboxes_of_a_sigkilled_driver_die_with_it(tmp_path: Path) -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_rollouts_run_in_handed_out_sandboxes(tokenizer, tmp_path: Path) -> None:
+    """run_episode through create_sandbox with the pool on: once the rollouts' kind is pooled, they run in
+    handed-out sandboxes and resolve their task like fresh ones (mini-swe-agent, scripted teacher, grading)."""
+    from legorl.config import HarnessConfig
+    from legorl.engine import ScriptedEngine
+    from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+    from legorl.proxy.server import Proxy
+    from legorl.records import Outcome
+    from legorl.rollout.episode import EpisodeContext, run_episode
+    from legorl.rollout.teacher import teacher_script
+    from legorl.store import Store
+    from legorl.tasks import builtin_splits
+
+    async def main():
+        store = Store(tmp_path / "store.sqlite")
+        proxy = Proxy(ScriptedEngine(tokenizer), tokenizer, on_call=store.add_call)
+        await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
+        harness = MiniSweAgentHarness(HarnessConfig(step_limit=8), command_timeout=20, log_dir=tmp_path / "logs")
+        await harness.start()
+        task = builtin_splits(1, 0, seed=5)[0][0]
+        ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path,
+                             label="pooled-run", agent_timeout=120, grading_timeout=60, hide_paths=[tmp_path],
+                             script_for=lambda t, h: teacher_script(t, run_tests=True, harness=h),
+                             sandbox=SandboxConfig(pool_size=2))  # fmt: skip
+        out = []
+        try:
+            for i in range(5):
+                hits = current_pool().stats.hits if current_pool() else 0
+                rollout = await run_episode(ctx, task, step=0, group_id=f"g{i}", sample_index=0)
+                out.append((rollout, current_pool().stats.hits - hits))
+                if i >= 2:  # the kind is pooled: let the background start finish before the next rollout
+                    await wait_until_async(lambda: current_pool().waiting() >= 1, 60)
+        finally:
+            await harness.close()
+            await proxy.stop()
+            await reap_sandboxes(ctx.sandbox, tmp_path / "sandboxes", "pooled-run")
+        return out
+
+    out = asyncio.run(main())
+    assert [hit for _, hit in out] == [0, 0, 0, 1, 1]  # pooled from the third request on, in the background
+    for rollout, _ in out:
+        assert rollout.outcome == Outcome.RESOLVED and rollout.reward == 1.0, rollout.outcome_reason
+    assert sandboxes(tmp_path) == []
+
+
+def test_relay_reaches_the_proxy_from_a_handed_out_sandbox(tmp_path: Path) -> None:
+    """The proxy socket bound at the pooled start is the one the rollout uses; nothing else is reachable."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    sock = tmp_path / "proxy.sock"
+    cfg = SandboxConfig(pool_size=1)
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"proxy:" + await reader.readline())
+        await writer.drain()
+        writer.close()
+
+    async def main() -> str:
+        server = await asyncio.start_unix_server(echo, path=str(sock))
+        try:
+            await warm(cfg, root, 1, proxy_socket=sock)
+            box = await handed_out(cfg, root, "r", {"f": "x"}, proxy_socket=sock)
+            try:
+                probe = (f"import socket; s = socket.create_connection(('127.0.0.1', {box.relay_port}), timeout=5); "
+                         "s.sendall(b'hello\\n'); print(s.recv(100).decode().strip())")
+                r = await box.exec(f'python3 -c "{probe}"; python3 -c "import socket; '
+                                   "socket.create_connection(('1.1.1.1', 80), timeout=2)\" 2>/dev/null || echo no-net")
+                return r.output
+            finally:
+                await box.close()
+                await reap_sandboxes(cfg, root)
+        finally:
+            server.close()
+
+    assert asyncio.run(main()).split() == ["proxy:hello", "no-net"]
