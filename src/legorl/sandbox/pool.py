@@ -98,13 +98,14 @@ class PoolKey:
 
 def pool_key(spec: dict[str, Any]) -> PoolKey | None:
     """The key of a ``create_sandbox`` request (its backend arguments), or None when it cannot be pooled."""
-    sandbox_dir = Path(spec["sandbox_dir"]).resolve()
-    workspace = Path(spec["workspace"]).resolve()
-    if workspace == sandbox_dir or sandbox_dir.is_relative_to(workspace):
+    sandbox_dir = os.path.abspath(spec["sandbox_dir"])  # not realpath: an lstat per component, on every request
+    workspace = os.path.abspath(spec["workspace"])
+    if workspace == sandbox_dir or sandbox_dir.startswith(workspace + "/"):
         return None  # its control dir would land inside the workspace
-    root = sandbox_dir.parent / POOL_DIR
+    parent = os.path.dirname(sandbox_dir)
+    root = os.path.join(parent, POOL_DIR)
     try:
-        device = os.stat(sandbox_dir.parent).st_dev
+        device = os.stat(parent).st_dev
     except OSError:
         return None
     limits: SandboxLimits = spec.get("limits") or SandboxLimits()
@@ -164,6 +165,8 @@ class SandboxPool:
         self._sem = asyncio.Semaphore(FILL_PARALLEL)
         self._retiring: set[asyncio.Task] = set()
         self._abandoned: set[str] = set()  # slots of starts cancelled midway
+        self._slots_to_remove: list[Path] = []  # emptied slots of handed-out sandboxes
+        self._remover: asyncio.Task | None = None
         self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="legorl-sandbox-pool")
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -184,8 +187,10 @@ class SandboxPool:
             self.stats.misses += 1
             return await BwrapSandbox.create(**spec)
         try:
+            slot = box.pool_slot
             box = await hand_out(box, spec)
             self._level(kind)  # the refill, once this one is out: its spawn would hold the loop up
+            self._trash(slot)
             return box
         except BaseException as e:
             await asyncio.shield(_discard(box))  # it may have seen the workspace: never back to the pool
@@ -316,7 +321,7 @@ class SandboxPool:
             self.stats.last_error = f"{type(e).__name__}: {e}"
             kind.retry_at = time.monotonic() + FAILURE_BACKOFF_S
             if slot is not None:
-                _remove_later(slot)
+                self._trash(slot)
         except asyncio.CancelledError:
             if slot is not None:
                 self._abandoned.add(str(slot))  # its bwrap may still come up: _keep makes sure it goes
@@ -342,6 +347,21 @@ class SandboxPool:
                 return True
         return False
 
+    def _trash(self, slot: Path | None) -> None:
+        """Remove a handed-out sandbox's emptied slot later, in one thread for a burst of hand-outs (removing a
+        dir costs ~7 ms on some file systems, and a thread per slot more than the hand-out itself)."""
+        if slot is None:
+            return
+        self._slots_to_remove.append(slot)
+        if self._remover is None or self._remover.done():
+            self._remover = asyncio.get_running_loop().create_task(self._remove_slots())
+
+    async def _remove_slots(self) -> None:
+        await asyncio.sleep(0.1)  # let the burst of hand-outs finish first
+        while self._slots_to_remove:
+            slots, self._slots_to_remove = self._slots_to_remove, []
+            await asyncio.to_thread(_rmtrees, slots)
+
     def _retire(self, box: BwrapSandbox) -> None:
         self.stats.retired += 1
         task = asyncio.get_running_loop().create_task(_discard(box))
@@ -352,9 +372,9 @@ class SandboxPool:
     async def close(self, under: Path | None = None) -> None:
         """Close every waiting sandbox (those whose slots lie under ``under``, or all, which closes the pool),
         once the starts in flight for them have finished. Idempotent."""
-        root = Path(under).resolve() if under is not None else None
-        kinds = [k for key, k in self._kinds.items() if root is None or Path(key.root).is_relative_to(root)]
-        if root is None:
+        roots = {os.path.abspath(under), os.path.realpath(under)} if under is not None else set()
+        kinds = [k for key, k in self._kinds.items() if not roots or any(_below(key.root, r) for r in roots)]
+        if not roots:
             self.closed = True
         for kind in kinds:
             kind.closed = True
@@ -366,11 +386,13 @@ class SandboxPool:
             while self._wake_one(kind, None):  # the requests waiting on a start start fresh
                 pass
         await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._remover is not None:
+            await asyncio.gather(self._remover, return_exceptions=True)
         for key in [key for key, k in self._kinds.items() if k in kinds]:
             del self._kinds[key]  # a later run under the same dir starts counting again
             with contextlib.suppress(OSError):
                 Path(key.root).rmdir()
-        if root is None and self._keeper is not asyncio.current_task():
+        if not roots and self._keeper is not asyncio.current_task():
             self._keeper.cancel()
 
     async def _keep(self) -> None:
@@ -403,9 +425,10 @@ async def hand_out(box: BwrapSandbox, spec: dict[str, Any]) -> BwrapSandbox:
     workspace cannot move in (then it is where it was)."""
     assert box.pool_slot is not None
     slot = box.pool_slot
-    workspace = Path(spec["workspace"]).resolve()
-    sandbox_dir = Path(spec["sandbox_dir"]).resolve()
-    sandbox_dir.mkdir(parents=True, exist_ok=True)
+    workspace = Path(os.path.realpath(spec["workspace"]))
+    sandbox_dir = Path(os.path.realpath(spec["sandbox_dir"]))
+    if not os.path.isdir(sandbox_dir):
+        sandbox_dir.mkdir(parents=True, exist_ok=True)
     _move_in(workspace, slot / "ws", slot / "was")
     for name in SLOT_FILES:
         if os.path.lexists(slot / name):
@@ -414,8 +437,7 @@ async def hand_out(box: BwrapSandbox, spec: dict[str, Any]) -> BwrapSandbox:
         "label": box.label, "bwrap_pid": box.proc.pid, "started": time.time(), "uid": box.ids and box.ids[0],
         "ctl": str(slot / "ctl"),
     }))  # fmt: skip
-    box.pool_slot = None
-    _remove_later(slot)  # its label.json and the emptied dir: removing a dir costs ~7 ms on some file systems
+    box.pool_slot = None  # the slot (its label.json, the emptied dir) is the pool's to remove
     box.workspace, box.sandbox_dir = workspace, sandbox_dir
     box.control_socket = sandbox_dir / "ctl" / "control.sock"
     if box.ids is not None and not _chown_small(workspace, box.ids):
@@ -433,21 +455,30 @@ def _can_hand_out(key: PoolKey, spec: dict[str, Any]) -> bool:
             return False
     except OSError:
         return False
-    sandbox_dir = Path(spec["sandbox_dir"])
-    return not any(_occupied(sandbox_dir / n) for n in (*SLOT_FILES, "label.json"))
+    try:
+        present = set(os.listdir(spec["sandbox_dir"])) & {*SLOT_FILES, "label.json"}
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return not any(_occupied(Path(spec["sandbox_dir"]) / n) for n in present)
 
 
 def _chown_small(root: Path, ids: tuple[int, int], budget: int = CHOWN_INLINE) -> bool:
     """chown a tree of at most ``budget`` entries right here (a thread hop costs more on a loaded host);
     False, having changed part of it, when it is larger."""
     os.lchown(root, *ids)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in (*dirnames, *filenames):
-            budget -= 1
-            if budget < 0:
-                return False
-            with contextlib.suppress(FileNotFoundError):
-                os.lchown(os.path.join(dirpath, name), *ids)
+    todo = [str(root)]
+    while todo:
+        with os.scandir(todo.pop()) as it:
+            for entry in it:
+                budget -= 1
+                if budget < 0:
+                    return False
+                with contextlib.suppress(FileNotFoundError):
+                    os.lchown(entry.path, *ids)
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
     return True
 
 
@@ -459,6 +490,15 @@ def _bwraps_naming(slots: set[str]) -> list[int]:
         if cmd and os.path.basename(cmd[0]) == "bwrap" and any(a.startswith(s + "/") for a in cmd for s in slots):
             found.append(int(name))
     return found
+
+
+def _rmtrees(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _below(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _occupied(path: Path) -> bool:
@@ -491,16 +531,6 @@ def _move_in(workspace: Path, ws: Path, aside: Path) -> None:
             with contextlib.suppress(OSError):
                 os.rename(ws / name, workspace / name)
         raise
-
-
-_REMOVING: set[asyncio.Future] = set()
-
-
-def _remove_later(path: Path) -> None:
-    """rmtree in a thread, off the hand-out's path."""
-    fut = asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, path, True))
-    _REMOVING.add(fut)
-    fut.add_done_callback(_REMOVING.discard)
 
 
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxPool] = weakref.WeakKeyDictionary()
