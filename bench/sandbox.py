@@ -218,9 +218,16 @@ async def bench_pool(base: Path, repo_src: Path, n: int, size: int = 4) -> dict[
     return {"handouts": handouts, "refills": refills[1:], "firsts": firsts}
 
 
-async def bench_pool_concurrent(base: Path, repo_src: Path, k: int) -> dict:
-    """``k`` hand-outs at once from a pool of ``k``."""
-    root = base / "poolk" / "sandboxes"
+async def bench_pool_concurrent(base: Path, repo_src: Path, k: int, rounds: int = 3) -> dict:
+    """``k`` hand-outs at once from a full pool of ``k``, ``rounds`` times (the median burst is reported: one
+    burst's wall time on a shared, loaded machine is mostly the scheduler's luck)."""
+    out = [await _pool_burst(base / f"poolk{r}" / "sandboxes", repo_src, k) for r in range(rounds)]
+    out.sort(key=lambda o: o["all_ready"])
+    mid = out[len(out) // 2]
+    return {**mid, "bursts": [o["all_ready"] for o in out]}
+
+
+async def _pool_burst(root: Path, repo_src: Path, k: int) -> dict:
     root.mkdir(parents=True)
     cfg = SandboxConfig(pool_size=k)
     pool = pool_for(k)
@@ -375,8 +382,8 @@ async def run(args: argparse.Namespace) -> str:
             "workspace moved in, chowned, watched"),
         row("  first command after a hand-out (`git status`)", pooled["firsts"], None, "the sandbox works at once"),
         row("  refill behind a hand-out (background)", pooled["refills"], None, "a fresh start, off the rollout's path"),
-        row(f"pool hand-out, {args.concurrent} at once (each)", pconc["each"], None,
-            f"all ready after {pconc['all_ready'] * 1000:.1f} ms"),
+        row(f"pool hand-out, {args.concurrent} at once (each; median burst of {len(pconc['bursts'])})", pconc["each"],
+            None, "all ready after " + " / ".join(f"{b * 1000:.0f}" for b in pconc["bursts"]) + " ms"),
         row("quiet sandbox exec, alone", nb["alone"], floor, "own CPU share (cgroup)"),
         row(f"quiet sandbox exec, neighbour busy on all {os.cpu_count()} cores", nb["busy"], floor,
             f"**{pct(nb['busy'], 50) / pct(nb['alone'], 50):.2f}x** its p50 alone"),
@@ -409,7 +416,8 @@ async def run(args: argparse.Namespace) -> str:
          f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms."),
         (f"- Pool (`sandbox.pool_size`): a hand-out p50 **{handout_p50:.2f} ms** (p99 {handout_p99:.1f} ms; target < 10 ms: "
          f"{'met' if handout_p50 < 10 else 'NOT met'}), **{start_p50 / handout_p50:.0f}x** faster than a fresh start "
-         f"in this run; {args.concurrent} hand-outs at once: all ready in **{pool_all:.1f} ms** (target < 300 ms: "
+         f"in this run; {args.concurrent} hand-outs at once: all ready in **{pool_all:.1f} ms** (median of "
+         f"{len(pconc['bursts'])} bursts; target < 300 ms: "
          f"{'met' if pool_all < 300 else 'NOT met'}) against {conc['all_ready'] * 1000:.0f} ms for "
          f"{args.concurrent} fresh starts at once ({conc['all_ready'] * 1000 / pool_all:.0f}x); filling that pool "
          f"took {pconc['fill'] * 1000:.0f} ms in the background, one command in each of the {args.concurrent} took "

@@ -511,17 +511,29 @@ def _occupied(path: Path) -> bool:
 def _move_in(workspace: Path, ws: Path, aside: Path) -> None:
     """Rename the entries of ``workspace`` into the (bound, empty) ``ws``, the emptied ``workspace`` to ``aside``
     and ``ws`` to ``workspace``'s path. On failure, what moved goes back and OSError is raised."""
-    os.chmod(ws, stat.S_IMODE(os.stat(workspace).st_mode))
+    src = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)  # renames relative to both dirs: no path walks
+    try:
+        dst = os.open(ws, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fchmod(dst, stat.S_IMODE(os.fstat(src).st_mode))
+            _swap(src, dst, workspace, ws, aside)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _swap(src: int, dst: int, workspace: Path, ws: Path, aside: Path) -> None:
     moved: list[str] = []
     try:
-        for name in os.listdir(workspace):
-            os.rename(workspace / name, ws / name)
+        for name in os.listdir(src):
+            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
             moved.append(name)
         os.rename(workspace, aside)
     except OSError:
         for name in moved:  # put the entries back
             with contextlib.suppress(OSError):
-                os.rename(ws / name, workspace / name)
+                os.rename(name, name, src_dir_fd=dst, dst_dir_fd=src)
         raise
     try:
         os.rename(ws, workspace)
@@ -529,7 +541,7 @@ def _move_in(workspace: Path, ws: Path, aside: Path) -> None:
         os.rename(aside, workspace)
         for name in moved:
             with contextlib.suppress(OSError):
-                os.rename(ws / name, workspace / name)
+                os.rename(name, name, src_dir_fd=dst, dst_dir_fd=src)
         raise
 
 
