@@ -274,6 +274,7 @@ class BridgeResult:
     naive_differs: bool
     naive_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
+    norm: list[tuple] | None = None  # normalize_message of each request message, when the build made them
 
 
 NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not extend any earlier call of this session"
@@ -332,8 +333,8 @@ class TokenBridge:
             if ids is None:
                 reason = "chat template is not prefix-stable for this history"
                 break
-            return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids, full)
-        return BridgeResult(naive_ids, None, reason, False, naive_ids, full)
+            return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids, full, norm)
+        return BridgeResult(naive_ids, None, reason, False, naive_ids, full, norm)
 
     def _reply_end(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
                    full: str) -> int | None:

@@ -86,9 +86,10 @@ class CallCore:
         takes_messages = getattr(engine, "takes_messages", False)  # a hosted teacher: it takes the conversation
         limit = engine.max_context() if hasattr(engine, "max_context") and not takes_messages else None
         try:
-            if limit is not None:
+            chars = _chars(req.messages)
+            if limit is not None and chars >= limit:  # the verbatim text is part of these characters
                 await self._refuse_if_too_long(session, req, _verbatim_texts(req.messages), limit)
-            if _chars(req.messages) > INLINE_CHARS:  # a large prompt: render and tokenize off the loop
+            if chars > INLINE_CHARS:  # a large prompt: render and tokenize off the loop
                 bridged = await asyncio.to_thread(self.bridge.build, req.messages, req.tools, session.history,
                                                   tools_key)
             else:
@@ -261,7 +262,8 @@ class CallCore:
         if len(session.history) >= TEXTS_KEPT:  # rendered texts are only worth keeping for recent calls
             session.history[-TEXTS_KEPT].prompt_text = ""
         session.history.append(PastCall(
-            index=call.index, messages=[normalize_message(m) for m in req.messages],
+            index=call.index,
+            messages=bridged.norm if bridged.norm is not None else [normalize_message(m) for m in req.messages],
             tools_key=tools_key, reply=normalize_message(reply_message(content, tool_calls)),
             prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text))
         session.n_calls += 1
