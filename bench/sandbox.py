@@ -202,6 +202,7 @@ async def bench_pool(base: Path, repo_src: Path, n: int, size: int = 4) -> dict[
             refills.append(time.perf_counter() - t)
             await asyncio.sleep(0.05)  # let the last start settle (its agent imports after ready)
             shutil.copytree(repo_src, root / f"r{i}" / "workspace", symlinks=True)
+            os.sync()  # the copy's writeback, not the hand-out's cost (a rename waits on a committing journal)
             hits = pool.stats.hits
             t = time.perf_counter()
             box = await create_sandbox(cfg, workspace=root / f"r{i}" / "workspace", sandbox_dir=root / f"r{i}",
@@ -238,6 +239,7 @@ async def _pool_burst(root: Path, repo_src: Path, k: int) -> dict:
         await asyncio.sleep(0.2)
         for i in range(k):
             shutil.copytree(repo_src, root / f"c{i}" / "workspace", symlinks=True)
+        os.sync()  # as above: the copies' writeback is not the burst's
         hits = pool.stats.hits
 
         async def one(i: int) -> tuple[BwrapSandbox, float]:
@@ -372,16 +374,11 @@ async def run(args: argparse.Namespace) -> str:
         lines.append(row("mini-swe-agent BubblewrapEnvironment (peer)", peer, floor, "new bwrap per command"))
     lines += [
         row("legorl sandbox start (workspace ready)", starts, None, f"small repo, {n_files} files"),
-        row("  of which: bwrap alone, same mounts (`/bin/true`)", bw_only, None, "namespaces + mounts"),
-        row("  of which: CPython start (`-I -S -c pass`)", py_only, None, "the in-sandbox agent's interpreter"),
         row("legorl sandbox teardown", stops, None, "kill + reap"),
-        row("prepare_repo (orphan commit + checks)", prep, None, "before start; not in the line above"),
         row(f"start, {args.concurrent} at once (each)", conc["starts"], None,  # type: ignore[arg-type]
             f"all ready after {conc['all_ready'] * 1000:.0f} ms"),
         row("pool hand-out (`create_sandbox`, `pool_size: 4`)", pooled["handouts"], None,
             "workspace moved in, chowned, watched"),
-        row("  first command after a hand-out (`git status`)", pooled["firsts"], None, "the sandbox works at once"),
-        row("  refill behind a hand-out (background)", pooled["refills"], None, "a fresh start, off the rollout's path"),
         row(f"pool hand-out, {args.concurrent} at once (each; median burst of {len(pconc['bursts'])})", pconc["each"],
             None, "all ready after " + " / ".join(f"{b * 1000:.0f}" for b in pconc["bursts"]) + " ms"),
         row("quiet sandbox exec, alone", nb["alone"], floor, "own CPU share (cgroup)"),
@@ -410,10 +407,16 @@ async def run(args: argparse.Namespace) -> str:
     share = support()
     notes = [
         (f"- Per-command exec: **{exec_ratio:.2f}x** the bare subprocess (async API), {sync_ratio:.2f}x through "
-         f"the blocking client (target <= 2x: {exec_met}).{peer_line}"),
+         f"the blocking client (target <= 2x: {exec_met}).{peer_line} Each command is `{COMMAND}`: one Unix-socket "
+         "round trip to the agent, whose zygote forks `bash -c` (a child subreaper, so that a timeout ends all it "
+         "started); the floor forks `bash -c` with the sandbox's environment; the three are interleaved."),
         (f"- Sandbox start p50 **{start_p50:.1f} ms** (target < 20 ms: {'met' if start_p50 < 20 else 'NOT met'}); "
          f"{args.concurrent} sandboxes at once: all ready in {conc['all_ready'] * 1000:.0f} ms, one command in "
-         f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms."),
+         f"each in {conc['exec_wall'] * 1000:.0f} ms, all torn down in {conc['teardown'] * 1000:.0f} ms. Of a start: "
+         f"bwrap alone with the same mounts (`/bin/true`: namespaces, ~20 mounts) p50 {pct(bw_only, 50) * 1000:.1f} ms, "
+         f"a CPython start (`-I -S -c pass`, the agent's interpreter) p50 {pct(py_only, 50) * 1000:.1f} ms; before it, "
+         f"`prepare_repo` (orphan commit + checks) p50 {pct(prep, 50) * 1000:.0f} ms. A small static agent binary "
+         "instead of CPython would cut the start itself (the pool's refill cost)."),
         (f"- Pool (`sandbox.pool_size`): a hand-out p50 **{handout_p50:.2f} ms** (p99 {handout_p99:.1f} ms; target < 10 ms: "
          f"{'met' if handout_p50 < 10 else 'NOT met'}), **{start_p50 / handout_p50:.0f}x** faster than a fresh start "
          f"in this run; {args.concurrent} hand-outs at once: all ready in **{pool_all:.1f} ms** (median of "
@@ -423,7 +426,9 @@ async def run(args: argparse.Namespace) -> str:
          f"took {pconc['fill'] * 1000:.0f} ms in the background, one command in each of the {args.concurrent} took "
          f"{pconc['exec_wall'] * 1000:.0f} ms. A hand-out is renames (the workspace's entries into the pooled "
          "sandbox's bound dir, that dir to the workspace path, its control dir to the sandbox dir), a chown of "
-         "the workspace to the sandbox's uid and the watchdog's entry; the refill starts after it returns."),
+         "the workspace to the sandbox's uid and the watchdog's entry; the first command after it (`git status`) "
+         f"p50 {pct(pooled['firsts'], 50) * 1000:.0f} ms; the refill, a fresh start in the background after it "
+         f"returns, p50 {pct(pooled['refills'], 50) * 1000:.0f} ms."),
         (f"- Noisy neighbour: next to a sandbox running a busy loop on every core, a quiet sandbox's exec p50 is "
          f"**{nb_ratio:.2f}x** its p50 alone with each sandbox's CPU share (target <= 1.5x: "
          f"{'met' if nb_ratio <= 1.5 else 'NOT met'}), {plain_ratio:.2f}x without ({share.kind}: "
@@ -432,21 +437,11 @@ async def run(args: argparse.Namespace) -> str:
          f"{bomb['ended']} processes ended in {bomb['cleanup_ms']:.0f} ms, and the next command "
          f"{'succeeded (target: met)' if bomb['next_ok'] else 'FAILED (target: NOT met)'}; its reply ends with "
          f"`{bomb['note']}`."),
-        ("- What a start costs: bwrap's namespaces and ~20 mounts (the new network namespace is the largest "
-         "single kernel cost), then the in-sandbox agent: a CPython start (`-I -S`, only built-in modules "
-         "before it signals ready on a pipe; no polling). The pool above takes it off the rollout's path; "
-         "what would still cut the start itself (the pool's refill cost): a small static agent binary instead "
-         "of CPython (saves the interpreter start, the largest user-space part)."),
-        (f"- Each command is `{COMMAND}`; the exec path is one Unix-socket round trip to the agent (a `ping` "
-         "alone is ~0.5 ms), whose zygote forks `bash -c` (its own child subreaper, so that a timeout can end "
-         "all it started) with the sandbox's limits; the floor forks `bash -c` "
-         "directly with the sandbox's environment (its `LC_ALL=C.UTF-8` makes every process load the locale "
-         "files, ~1 ms under this load); the three are interleaved command by command."),
         (f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, bubblewrap "
          f"{bwrap_version.split()[-1]}, Python {platform.python_version()}; load average {load_before} before / "
          f"{load()} after. The machine is shared with other jobs: absolute figures move with load; ratios "
-         "measured in the same run are the comparable numbers."),
-        (f"- Reproduce: `python bench/sandbox.py --write` (this run: {args.starts} starts, {args.handouts} hand-outs, "
+         "measured in the same run are the comparable numbers. "
+         f"Reproduce: `python bench/sandbox.py --write` (this run: {args.starts} starts, {args.handouts} hand-outs, "
          f"{args.commands} commands, {args.concurrent} concurrent, {args.neighbour_commands} commands per neighbour "
          "phase)."),
     ]  # fmt: skip
