@@ -88,3 +88,27 @@ def test_teacher_switches_are_refused_where_they_would_do_nothing():
         load_config(None, ["sft.recovery_demos=0.5"])
     with pytest.raises(ConfigError, match="scripted teacher"):
         load_config(None, ["sft.teacher=upstream", "sft.check_edits=true"])
+
+
+def test_cli_sets_openmp_wait_policy_before_torch_loads():
+    # legorl.cli.main sets OMP_WAIT_POLICY=PASSIVE, which OpenMP reads only when torch loads: the
+    # CLI module must not import torch itself, and the main entry point must set it (a user's own
+    # value wins).
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('OMP_WAIT_POLICY', None)\n"
+        "import legorl.cli as cli\n"
+        "assert 'torch' not in sys.modules, 'legorl.cli imports torch at import time'\n"
+        "sys.argv = ['legorl', '--help']\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "print(os.environ['OMP_WAIT_POLICY'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "PASSIVE"
+    env = {**__import__("os").environ, "OMP_WAIT_POLICY": "ACTIVE"}
+    code_user = code.replace("os.environ.pop('OMP_WAIT_POLICY', None)\n", "")
+    out = subprocess.run([sys.executable, "-c", code_user], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip().splitlines()[-1] == "ACTIVE"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import importlib.util
 import json
 import shutil
@@ -217,6 +218,11 @@ app.command("proxy")(proxy_command)
 
 
 def main() -> None:
+    # Torch's OpenMP threads spin while they wait for each other; on a shared or busy CPU a
+    # spinning thread takes the core its partner needs (trainer 1.4x slower than with PASSIVE at
+    # load 11-16: bench/trainer.py, docs/training.md). Read when torch loads, which no command has
+    # done yet here (tests/test_cli.py checks); a user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     app()
 
 
