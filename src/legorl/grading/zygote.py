@@ -57,6 +57,48 @@ def _mount(source, target: str, fstype, flags: int, data=None) -> None:
     _check(LIBC.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+def _mounts_below(tops: tuple[str, ...], mountinfo: str | None = None) -> list[tuple[str, bool]]:
+    """The sandbox's mounts strictly below ``tops`` (e.g. a venv bound read-only under ``/tmp`` when the
+    checkout lives there), outermost first and without those nested in another, with whether each is
+    read-only: a run's fresh ``/tmp`` must not hide its own interpreter."""
+    def unescape(field: str) -> str:  # mountinfo writes space, tab, newline and backslash as octal
+        for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            field = field.replace(code, char)
+        return field
+
+    found: list[tuple[str, bool]] = []
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    rows = [line.split() for line in mountinfo.splitlines() if line.strip()]
+    points = [(unescape(row[4]), "ro" in row[5].split(",")) for row in rows]
+    for point, ro in sorted(points, key=lambda p: p[0].count("/")):
+        if any(point.startswith(top + "/") for top in tops) and not any(
+            point.startswith(kept + "/") or point == kept for kept, _ in found
+        ):
+            found.append((point, ro))
+    return found
+
+
+def _fresh_tmp(size: str) -> None:
+    """Fresh ``/tmp`` and ``/dev/shm`` tmpfs for a run, with the sandbox's own binds below them (its
+    interpreter, read-only) bound back as they were."""
+    tops = ("/tmp", "/dev/shm")
+    keep = [(path, ro, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path, ro in _mounts_below(tops)]
+    for tmp in tops:
+        _mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"{size}mode=1777")
+    for path, ro, fd in keep:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()  # noqa: SIM115 - a mount point
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+        if ro and not os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise OSError(f"{path} would be writable in the run (read-only in the sandbox)")
+
+
 def preload() -> None:
     """What every pytest run imports anyway: pytest, its default plugins and the verifier plugin's stdlib."""
     import importlib
@@ -229,8 +271,7 @@ def _run_child(req: dict, out_fd: int, junit_fd: int, report_w: int):
         _enter_namespaces()
         _mount(req["slot"], req["workdir"], None, MS_BIND | MS_REC)
         size = f"size={req['tmp_bytes']}," if req.get("tmp_bytes") else ""
-        for tmp in ("/tmp", "/dev/shm"):
-            _mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"{size}mode=1777")
+        _fresh_tmp(size)
         for path in req.get("cover", ()):
             _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4096,mode=755")
         _loopback_up()
