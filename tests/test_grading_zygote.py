@@ -208,14 +208,14 @@ def test_a_runs_fresh_tmp_keeps_the_sandboxs_binds_below_it():
     # run's fresh /tmp must bind it back (outermost mounts only, read-only kept), or pytest is gone.
     from legorl.grading.zygote import _mounts_below
 
-    mountinfo = "\n".join([
-        "20 1 0:5 / / rw,nosuid - tmpfs tmpfs rw",
-        "21 20 0:6 / /tmp rw,nosuid,nodev - tmpfs tmpfs rw",
-        "22 21 8:1 /tmp/ci/.venv /tmp/ci/.venv ro,nosuid,nodev - ext4 /dev/sda1 rw",
-        "23 22 8:1 /x /tmp/ci/.venv/lib/inner ro,nosuid - ext4 /dev/sda1 rw",
-        "24 21 8:1 /y /tmp/my\\040dir rw,nosuid - ext4 /dev/sda1 rw",
-        "25 20 0:7 / /dev/shm rw - tmpfs tmpfs rw",
-        "26 20 8:1 /usr /usr ro - ext4 /dev/sda1 rw",
-        "27 20 8:1 /tmpfoo /tmpfoo ro - ext4 /dev/sda1 rw",
-    ])
+    mountinfo = """
+20 1 0:5 / / rw,nosuid - tmpfs tmpfs rw
+21 20 0:6 / /tmp rw,nosuid,nodev - tmpfs tmpfs rw
+22 21 8:1 /tmp/ci/.venv /tmp/ci/.venv ro,nosuid,nodev - ext4 /dev/sda1 rw
+23 22 8:1 /x /tmp/ci/.venv/lib/inner ro,nosuid - ext4 /dev/sda1 rw
+24 21 8:1 /y /tmp/my\\040dir rw,nosuid - ext4 /dev/sda1 rw
+25 20 0:7 / /dev/shm rw - tmpfs tmpfs rw
+26 20 8:1 /usr /usr ro - ext4 /dev/sda1 rw
+27 20 8:1 /tmpfoo /tmpfoo ro - ext4 /dev/sda1 rw
+"""
     assert _mounts_below(("/tmp", "/dev/shm"), mountinfo) == [("/tmp/my dir", False), ("/tmp/ci/.venv", True)]

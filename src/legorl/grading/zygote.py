@@ -92,7 +92,7 @@ def _fresh_tmp(size: str) -> None:
             os.makedirs(path, exist_ok=True)
         else:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "a").close()  # noqa: SIM115 - a mount point
+            open(path, "a").close()  # a mount point
         _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
         if ro and not os.statvfs(path).f_flag & os.ST_RDONLY:
