@@ -98,8 +98,10 @@ def test_handed_out_sandbox_shows_exactly_its_own_workspace(tmp_path: Path) -> N
             assert label["bwrap_pid"] == a.pid and label["ctl"] in cmdline(a.pid)  # what reap_orphans checks
             r = await a.exec("pwd; ls -A; cat a.txt pkg/mod.py; echo new > out.txt")
             assert r.output.split("\n")[:5] == ["/workspace", "a.txt", "pkg", "A-ONLY", "x = 1"], r.output
-            # /tmp: its own, empty (but for the visible dir bound there when the test's tmp dir is below /tmp)
-            shown = [vis.relative_to("/tmp").parts[0]] if vis.is_relative_to("/tmp") else []
+            # /tmp: its own, empty but for what is bound there: the visible dir when the test's tmp dir is
+            # below /tmp, the interpreter when the checkout is
+            bound = (vis, Path(sys.prefix).resolve())
+            shown = sorted({p.relative_to("/tmp").parts[0] for p in bound if p.is_relative_to("/tmp")})
             assert (await a.exec("ls -A /tmp /dev/shm")).output.split() == ["/dev/shm:", "/tmp:", *shown]
             assert (root / "a" / "workspace" / "out.txt").read_text() == "new\n"  # writes land where the host looks
             (root / "a" / "workspace" / "host.txt").write_text("from host\n")
