@@ -222,8 +222,7 @@ class Member:
     conn: socket.socket | None = None
     zygote: asyncio.Task | None = None
     uses: int = 0
-    run_cpu_s: float = 0.0  # CPU seconds of its runs' processes (forks of the zygote), as the zygote saw them
-    test_cpu_s: float = 0.0  # of which the test processes (pytest and what it started)
+    test_cpu_s: float = 0.0  # CPU seconds of its runs' test processes (pytest and what it started)
     idle_timer: asyncio.TimerHandle | None = None
     closed: bool = False
     _buf: bytes = b""
@@ -335,7 +334,6 @@ class Member:
                 os.close(fd)
         try:
             reply = json.loads(await asyncio.wait_for(self._line(), timeout + REPLY_SLACK_S))
-            self.run_cpu_s += float(reply.get("cpu") or 0.0)
             self.test_cpu_s += float(reply.get("test_cpu") or 0.0)
             if "error" in reply:
                 raise RuntimeError(f"grading zygote: {reply['error']}")
