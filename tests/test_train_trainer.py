@@ -160,6 +160,20 @@ def test_kl_to_initial_weights_grows_from_zero() -> None:
     assert all(not p.requires_grad for p in tr.ref_model.parameters())
 
 
+def test_reset_reference_anchors_kl_to_the_warm_start() -> None:
+    """After SFT the pipeline resets the reference: KL then measures drift from the SFT policy."""
+    model = tiny_model()
+    seqs = sampled(model, [1.0, 1.0])
+    tr = Trainer(model, lr=3e-3, temperature=TEMP, kl_coef=0.1)
+    for _ in range(3):
+        tr.sft_step(seqs)
+    assert tr.train_step(seqs)["train/kl_ref"] > 1e-4  # still the untrained weights
+    tr.reset_reference()
+    assert all(torch.equal(a, b) for a, b in zip(tr.model.parameters(), tr.ref_model.parameters(), strict=True))
+    assert tr.train_step(seqs)["train/kl_ref"] == 0.0
+    assert all(not p.requires_grad for p in tr.ref_model.parameters())
+
+
 def test_entropy_bonus_trains_even_with_zero_advantages() -> None:
     model = tiny_model()
     seqs = sampled(model, [0.0, 0.0])

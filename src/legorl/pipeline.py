@@ -446,6 +446,7 @@ class Driver:
                 state["exp_avg"].zero_()
             else:
                 state.clear()
+        self.trainer.reset_reference()  # trainer.kl_coef: KL to the SFT policy, not the untrained one
         async with self.paused():
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
         return {"sft/sequences": float(len(seqs)), "sft/updates": float(total), "sft/first_loss": losses[0],

@@ -285,6 +285,12 @@ class Trainer:
             torch.nn.utils.clip_grads_with_norm_(self.params, self._max_norm, total)
         return norm
 
+    def reset_reference(self) -> None:
+        """Make the KL reference the policy's current weights (after a warm start: RL's KL then
+        anchors to what SFT taught, not to the weights the run started from)."""
+        if self.ref_model is not None:
+            dist.load_full_model_state_dict(self.ref_model, dist.full_model_state_dict(self.model))
+
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
