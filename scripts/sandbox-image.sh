@@ -22,8 +22,11 @@ SUITE="${LEGORL_IMAGE_SUITE:-bookworm}"
 CACHE="${LEGORL_IMAGE_CACHE:-$ROOT/build/sandbox-image}"
 # What the sandbox agent, the grader, the validation canaries and the built-in tasks use inside:
 # python3 (the agent and pytest), pytest, git (diffs, hidden tests), bash, find/grep/xargs (essential),
-# patch and procps for agents.
-PACKAGES="python3,python3-pytest,python-is-python3,git,patch,procps${LEGORL_IMAGE_PACKAGES:+,$LEGORL_IMAGE_PACKAGES}"
+# patch and procps for agents. Debian splits standard-library modules out of python3 (tkinter, dbm.gnu,
+# lib2to3, distutils, ensurepip/venv): those packages too, so a task's tests see the whole standard library,
+# as on the host's Python (six's moved-module tests import tkinter).
+STDLIB="python3-tk,python3-gdbm,python3-lib2to3,python3-distutils,python3-venv"
+PACKAGES="python3,$STDLIB,python3-pytest,python-is-python3,git,patch,procps${LEGORL_IMAGE_PACKAGES:+,$LEGORL_IMAGE_PACKAGES}"
 RECIPE_VERSION=1  # bump when the build below changes
 PATH_ENV="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

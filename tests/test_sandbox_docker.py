@@ -72,3 +72,20 @@ def test_missing_image_and_dead_container_are_typed_errors(tmp_path: Path, docke
             await box.close()
 
     asyncio.run(main())
+
+
+def test_the_image_carries_the_whole_standard_library(tmp_path: Path, docker_box_cfg: SandboxConfig) -> None:
+    """Debian splits modules out of python3; tasks' tests import them (six's moved-module tests: tkinter),
+    as they can on the host's Python. scripts/sandbox-image.sh installs them."""
+
+    async def main() -> None:
+        (tmp_path / "ws").mkdir()
+        box = await create_sandbox(docker_box_cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb",
+                                   label="legorl-test-stdlib")  # fmt: skip
+        try:
+            r = await box.exec("python3 -S -c 'import tkinter, dbm.gnu, lib2to3, distutils.core, ensurepip, venv' 2>&1")
+            assert r.returncode == 0, r.output
+        finally:
+            await box.close()
+
+    asyncio.run(main())

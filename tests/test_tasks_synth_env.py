@@ -124,7 +124,7 @@ def test_synth_builds_the_environment_once_uses_it_and_the_grader_mounts_it(whee
 
     res = synthesize_package(str(pkg), out, _cfg(wheelhouse), runner=Runner(), cache=tmp_path / "c")
     assert not res.error, res.error
-    assert res.requirements == ["envdep"] and res.environment == ["envdep==0.3"] and res.rows
+    assert res.requirements == ["envdep"] and "envdep==0.3" in res.environment and res.rows
     env = out / "envs" / "usesdep-0.1"
     assert built(env) and (env / "envdep" / "__init__.py").is_file()
     stamp = (env / STAMP).read_text()
@@ -132,7 +132,7 @@ def test_synth_builds_the_environment_once_uses_it_and_the_grader_mounts_it(whee
     assert (env / STAMP).read_text() == stamp and again.rows  # found, not rebuilt
     write_rows(out, [res])
     rep = summary([res])["packages"][0]
-    assert rep["environment"] == ["envdep==0.3"] and rep["requirements"] == ["envdep"]
+    assert "envdep==0.3" in rep["environment"] and rep["requirements"] == ["envdep"]
     row = json.loads((out / "tasks.jsonl").read_text().splitlines()[0])
     assert row["environment"] == "envs/usesdep-0.1"  # relative to the tasks file, like repo_path
     task = load_jsonl(out / "tasks.jsonl")[0]
@@ -180,3 +180,123 @@ def test_only_new_keeps_earlier_packages_and_names_what_this_run_mined(tmp_path:
     r = CliRunner().invoke(app, ["tasks", "synth", "--package", "A==1", "--out", str(out), "--only-new"])
     assert r.exit_code == 0, r.output
     assert "1 packages already have tasks" in r.output and json.loads((out / "synth-report.json").read_text()) == earlier
+
+
+def test_suite_requirements_adds_an_optional_dependency_the_tests_import(tmp_path: Path) -> None:
+    """tabulate's case: `wcwidth` is the `widechars` extra, not a test extra, but its tests import it."""
+    files = {
+        "pyproject.toml": '[project]\nname = "tab"\nversion = "1"\n[project.optional-dependencies]\n'
+        'widechars = ["wcwidth"]\ndocs = ["sphinx-thing"]\n',
+        "tab/__init__.py": "",
+    }  # fmt: skip
+    assert suite_requirements(_write(tmp_path / "no-import", files)) == []
+    uses = _write(tmp_path / "imports", {**files, "test/test_tab.py": "import wcwidth\n\ndef test_w():\n    pass\n"})
+    assert suite_requirements(uses) == ["wcwidth"]
+    # The same extra read from PKG-INFO (an sdist whose pyproject has no [project] table), importorskip too.
+    meta = _write(tmp_path / "pkg-info", {
+        "PKG-INFO": 'Metadata-Version: 2.1\nName: tab\nVersion: 1\nProvides-Extra: widechars\n'
+                    'Requires-Dist: wcwidth; extra == "widechars"\n',
+        "tests/test_tab.py": "import pytest\n\nwcwidth = pytest.importorskip('wcwidth')\n",
+    })  # fmt: skip
+    assert suite_requirements(meta) == ["wcwidth"]
+
+
+# A src layout without any pytest ini file (`-o pythonpath=src`: pytest 7.2, the image's, stops at collection there:
+# cachetools, humanize, text-unidecode), and a test that uses a module this interpreter's venv has and the image
+# does not (`rich`; tabulate's wcwidth, numpy, pandas): mined against the venv, both made tasks whose gold patch
+# failed on the docker backend.
+ISOLATED_PKG = {
+    "pyproject.toml": '[project]\nname = "isopkg"\nversion = "0.2"\n',
+    "src/isopkg/__init__.py": """\
+        def clamp(x, lo, hi):
+            if x < lo:
+                return lo
+            if x > hi:
+                return hi
+            return x
+        """,
+    "tests/test_isopkg.py": """\
+        import pytest
+
+        from isopkg import clamp
+
+
+        def test_inside():
+            assert clamp(5, 0, 9) == 5
+
+
+        def test_edges():
+            assert clamp(-3, 0, 9) == 0 and clamp(12, 0, 9) == 9
+
+
+        def test_with_an_undeclared_module():
+            rich = pytest.importorskip("rich")
+            assert rich and clamp(1, 0, 9) == 1
+        """,
+}
+
+
+@pytest.fixture(scope="module")
+def isolated_task(tmp_path_factory: pytest.TempPathFactory):
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    base = tmp_path_factory.mktemp("isolated")
+    out = base / "out"
+    res = synthesize_package(str(_write(base / "src", ISOLATED_PKG)), out, SynthConfig(n=1, seed=0, max_attempts=6),
+                             runner=Runner(), cache=base / "c")  # fmt: skip
+    assert not res.error and res.rows, res.error
+    write_rows(out, [res])
+    return out, res, load_jsonl(out / "tasks.jsonl")[0]
+
+
+def test_mining_runs_in_the_tasks_own_environment(isolated_task) -> None:
+    """Mined with `python -S` on the package's environment, which carries this interpreter's pytest: a test
+    that needs a module of the venv only is skipped there, so no task grades it."""
+    import importlib.metadata
+
+    from legorl.tasks.envs import has_runner
+
+    out, res, task = isolated_task
+    assert task.test_command == "python -S -m pytest -q -o addopts= -o pythonpath=src"
+    env = out / "envs" / "isopkg-0.2"
+    assert task.environment == str(env.resolve()) and has_runner(env)
+    assert f"pytest=={importlib.metadata.version('pytest')}" in res.environment
+    assert (env / "pytest" / "__init__.py").is_file() and (env / "_pytest").is_dir()
+    graded = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
+    assert "tests/test_isopkg.py::test_inside" in graded and "tests/test_isopkg.py::test_edges" in graded
+    assert not [t for t in graded if "undeclared" in t]
+
+
+def test_a_mined_task_grades_the_same_on_both_backends(isolated_task, tmp_path: Path, box_cfg) -> None:
+    """Gold resolves and the empty patch does not, on bwrap and in the image alike."""
+    from legorl.grading.validate import validate_task
+
+    out, _, task = isolated_task
+    result = asyncio.run(validate_task(task, tmp_path, timeout=60, hide_paths=[out.resolve()], canaries=(),
+                                       concurrency=2, sandbox=box_cfg))  # fmt: skip
+    assert result.ok, [(c.name, c.detail) for c in result.checks if not c.ok]
+    assert {c.name for c in result.checks} == {"gold", "empty"}
+
+
+def test_add_environments_moves_rows_mined_without_one_onto_their_own(tmp_path: Path) -> None:
+    """`legorl tasks synth --add-environments`: rows mined before environments get their package's (runner
+    included) and the `python -S` command; rows that have one are left alone; an unknown command is refused."""
+    from legorl.tasks.envs import has_runner
+    from legorl.tasks.schema import TaskError
+    from legorl.tasks.synth import add_environments
+
+    out = tmp_path / "out"
+    _write(out / "repos" / "p-1", {"PKG-INFO": "Metadata-Version: 2.1\nName: p\nVersion: 1\n"})
+    rows = [{"instance_id": "p-1__a", "repo_path": "repos/p-1", "test_command": "python -m pytest -q -o addopts="},
+            {"instance_id": "p-1__b", "repo_path": "repos/p-1", "test_command": "python -m pytest -q"}]  # fmt: skip
+    (out / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = add_environments(out, SynthConfig())
+    assert list(done) == ["p-1"] and any(d.startswith("pytest==") for d in done["p-1"])
+    got = [json.loads(line) for line in (out / "tasks.jsonl").read_text().splitlines()]
+    assert [r["test_command"] for r in got] == ["python -S -m pytest -q -o addopts=", "python -S -m pytest -q"]
+    assert {r["environment"] for r in got} == {"envs/p-1"} and has_runner(out / "envs" / "p-1")
+    assert add_environments(out, SynthConfig()) == {}  # already done
+    rows[0]["instance_id"], rows[0]["test_command"] = "p-1__c", "make check"
+    (out / "tasks.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(TaskError, match="is not `python -m pytest"):
+        add_environments(out, SynthConfig())

@@ -51,8 +51,8 @@ def _validate(result: PackageResult, out: Path, timeout: float, concurrency: int
 
 def _write_report(out: Path, results: list, validate: bool, invalid: dict, errors: dict,
                   earlier: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OUT/synth-report.json; with ``earlier`` (``--only-new``), the packages this run left alone keep
-    their entries, and ``this_run`` names the ones it mined."""
+    """OUT/synth-report.json; with ``earlier`` (the report already there), the packages this run left alone
+    keep their entries, and ``this_run`` names the ones it mined."""
     from legorl.tasks.synth import summary
 
     report = {**summary(results), "validated": validate, "invalid": invalid, "errors": errors}
@@ -130,6 +130,12 @@ def synth_command(
         bool,
         typer.Option("--only-new", help="skip NAME==VERSION packages that already have tasks in OUT (kept as they are)"),
     ] = False,
+    add_environments: Annotated[
+        bool,
+        typer.Option("--add-environments",
+                     help="mine nothing: give OUT's rows without one their package's environment (its test deps and "
+                          "pytest) and the `python -S` test command; validate them afterwards"),
+    ] = False,
 ) -> None:
     """Mine SWE-bench-style tasks from real Python packages by planting bugs.
 
@@ -146,18 +152,33 @@ def synth_command(
     from legorl.tasks.synth import SynthConfig, normalize, synthesize_package, write_rows
     from legorl.tasks.synth_runner import Runner
 
+    if add_environments:
+        from legorl.tasks.synth import add_environments as add_envs
+
+        if not (out / "tasks.jsonl").is_file():
+            _fail(f"--add-environments: {out / 'tasks.jsonl'} does not exist")
+        try:
+            done = add_envs(out, SynthConfig(env_timeout=env_timeout),
+                            progress=lambda kind, info: typer.echo(f"building the environment of {info['name']}", err=True))
+        except TaskError as e:
+            _fail(str(e), code=1)
+        for slug, dists in done.items():
+            typer.echo(f"{slug}: {', '.join(dists)}")
+        typer.echo(f"{len(done)} environments built under {out / 'envs'}; run `legorl tasks validate {out / 'tasks.jsonl'}`")
+        raise typer.Exit(0)
     specs = [*(package or []), *(BUNDLED_PACKAGES if bundled else ())]
     if not specs:
         _fail("name at least one --package NAME==VERSION (or a local sdist / dir), or --bundled")
+    # Other packages' rows stay in OUT/tasks.jsonl (write_rows), so their report entries stay too.
     earlier: dict[str, Any] | None = None
+    if (out / "synth-report.json").is_file():
+        earlier = json.loads((out / "synth-report.json").read_text())
     if only_new:
         have = _existing_packages(out)
         pinned = {spec: f"{normalize(spec.split('==')[0].strip())}-{spec.split('==')[1].strip()}"
                   for spec in specs if "==" in spec and not Path(spec).exists()}  # fmt: skip
         skipped = [spec for spec in specs if pinned.get(spec) in have]
         specs = [spec for spec in specs if spec not in skipped]
-        if (out / "synth-report.json").is_file():
-            earlier = json.loads((out / "synth-report.json").read_text())
         typer.echo(f"--only-new: {len(skipped)} packages already have tasks in {out}; mining {len(specs)}", err=True)
         if not specs:
             raise typer.Exit(0)

@@ -4,10 +4,14 @@ For each package (``NAME==VERSION`` from PyPI, or a local sdist / source directo
 
 1. fetch the sdist (source only, sha256 checked against PyPI) and unpack it;
 2. snapshot it as a git repository under ``OUT/repos/NAME-VERSION`` (commit ``pristine`` on ``main``);
-3. build its task environment once when its tests need more than the standard library and pytest
-   (``envs.suite_requirements``: a ``pip install --target OUT/envs/NAME-VERSION``, read-only on
-   ``PYTHONPATH`` in every test run here and in every sandbox of its tasks: rows name it in
-   ``environment``); a build that fails or times out is the package's typed error, not a crash;
+3. build its task environment once (``OUT/envs/NAME-VERSION``): what its tests need beyond the
+   standard library (``envs.suite_requirements``, ``pip install --target``) and the test runner, this
+   interpreter's pytest, copied. It is read-only on ``PYTHONPATH`` in every test run here and in every
+   sandbox of its tasks (rows name it in ``environment``), and every test run, here and in the
+   grader, is ``python -S -m pytest``: the standard library and the environment, no site-packages, so
+   a task's tests see the same modules on bwrap and in a container. A build that fails or times out
+   is the package's typed error, not a crash (``SynthConfig.environments=False``: the old way, this
+   interpreter's site-packages, which another backend's Python does not have);
 4. run its own test suite twice (``synth_runner``): the tests passing both times, one result per
    phase, in files that collect cleanly, are usable; the first run records which tests execute
    which source lines;
@@ -284,8 +288,10 @@ def pytest_args(root: Path) -> list[str]:
     return args
 
 
-def pytest_command(args: list[str]) -> str:
-    return " ".join(["python -m pytest -q", *args])
+def pytest_command(args: list[str], isolated: bool = False) -> str:
+    """The task's test command; ``isolated``: its environment carries pytest, and ``-S`` keeps every
+    site-packages dir out (the interpreter's, a venv's, an image's), on either backend."""
+    return " ".join(["python -S -m pytest -q" if isolated else "python -m pytest -q", *args])
 
 
 # ---- git snapshot ---------------------------------------------------------------------------------
@@ -588,11 +594,11 @@ def _search(source: PackageSource, out: Path, cfg: SynthConfig, runner: Runner, 
     shutil.copytree(root, work, symlinks=True)
     env_rel = None
     result.requirements = suite_requirements(root, source.name) if cfg.environments else []
-    if result.requirements:  # built once; every test run here and every sandbox of its tasks sees it
+    if cfg.environments:  # built once; every test run here and every sandbox of its tasks sees it, nothing else
         emit("stage", {"stage": "environment"})
         t = time.monotonic()
         env = build_environment(result.requirements, out / "envs" / source.slug, timeout=cfg.env_timeout,
-                                pip_args=cfg.env_pip_args)  # fmt: skip
+                                pip_args=cfg.env_pip_args, runner=True)  # fmt: skip
         result.environment_s, result.environment = time.monotonic() - t, installed_distributions(env)
         runner, env_rel = runner.with_environment(env), f"envs/{source.slug}"
     emit("stage", {"stage": "baseline"})
@@ -645,14 +651,15 @@ def _search(source: PackageSource, out: Path, cfg: SynthConfig, runner: Runner, 
             emit("tried", {"kept": False, "reason": v.reason})
             continue
         kept_lines.add((m.path, m.line))
-        result.rows.append(_row(source, repo, pristine, v, work, cfg, env_rel))
+        result.rows.append(_row(source, repo, pristine, v, work, cfg, env_rel, runner.isolated))
         emit("tried", {"kept": True, "reason": ""})
     if not result.rows:
         shutil.rmtree(repo, ignore_errors=True)
 
 
 def _row(
-    source: PackageSource, repo: Path, pristine: str, v: _Verdict, work: Path, cfg: SynthConfig, env: str | None
+    source: PackageSource, repo: Path, pristine: str, v: _Verdict, work: Path, cfg: SynthConfig, env: str | None,
+    isolated: bool = False,
 ) -> dict[str, Any]:
     m = v.mutation
     iid = f"{normalize(source.name)}-{source.version}__{m.key}"
@@ -673,7 +680,7 @@ def _row(
         "FAIL_TO_PASS": json.dumps(v.f2p),
         "PASS_TO_PASS": json.dumps(v.p2p),
         "repo_path": f"repos/{source.slug}",
-        "test_command": pytest_command(pytest_args(work)),
+        "test_command": pytest_command(pytest_args(work), isolated=isolated),
         **({"environment": env} if env else {}),  # relative to the tasks file, as repo_path
         "family": f"synth-{m.operator}",
         "split": "heldout" if heldout else "train",
@@ -712,6 +719,40 @@ def write_rows(out: Path, results: list[PackageResult]) -> Path:
     return path
 
 
+def add_environments(out: Path, cfg: SynthConfig, progress: Progress | None = None) -> dict[str, list[str]]:
+    """Rows of ``out/tasks.jsonl`` mined without an environment carrying pytest (before environments, or
+    with ``environments=False``): build their package's environment from its snapshot as mining now does
+    and switch their test command to ``python -S``. Returns {package: what the build installed}. The rows'
+    tests and verdicts are not re-derived: run ``legorl tasks validate`` on them afterwards."""
+    from legorl.tasks.envs import has_runner
+
+    path = out / "tasks.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    built_for: dict[str, list[str]] = {}
+    for row in rows:
+        slug = PurePosixPath(str(row["repo_path"])).name
+        if row.get("environment") and has_runner(out / row["environment"]):
+            continue
+        if slug not in built_for:
+            root = out / row["repo_path"]
+            name, _ = _metadata(root)
+            if progress:
+                progress("environment", {"name": slug})
+            env = build_environment(suite_requirements(root, name or ""), out / "envs" / slug,
+                                    timeout=cfg.env_timeout, pip_args=cfg.env_pip_args, runner=True)  # fmt: skip
+            built_for[slug] = installed_distributions(env)
+        row["environment"] = f"envs/{slug}"
+        words = str(row.get("test_command") or "python -m pytest -q").split()
+        if words[:3] == ["python", "-m", "pytest"]:
+            row["test_command"] = " ".join(["python", "-S", *words[1:]])
+        else:
+            raise TaskError(f"{row['instance_id']}: test command {row.get('test_command')!r} is not `python -m pytest ...`")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+    return built_for
+
+
 def summary(results: list[PackageResult]) -> dict[str, Any]:
     return {
         "packages": [
@@ -740,6 +781,6 @@ def summary(results: list[PackageResult]) -> dict[str, Any]:
 
 
 __all__ = [
-    "PackageResult", "PackageSource", "SynthConfig", "fetch_sdist", "make_snapshot", "problem_statement",
+    "PackageResult", "PackageSource", "SynthConfig", "add_environments", "fetch_sdist", "make_snapshot", "problem_statement",
     "resolve_source", "summary", "synthesize_package", "unpack", "write_rows",
 ]  # fmt: skip

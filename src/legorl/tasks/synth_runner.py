@@ -6,7 +6,9 @@ the deadline), niced, memory-limited and, where ``bwrap`` works, sandboxed: a re
 the system dirs and the Python runtime only, the repository copy and a control dir writable, a
 private ``/tmp``, no network and its own pid namespace. ``sandbox="none"`` (or ``auto`` on a host
 without a working bubblewrap) keeps only the limits. A package's task environment
-(``with_environment``) is on ``PYTHONPATH``, read-only, as in the grader's sandboxes.
+(``with_environment``) is on ``PYTHONPATH``, read-only, as in the grader's sandboxes; one that carries
+its own pytest (``envs.has_runner``) is run with ``python -S``, as its tasks' test command does: the
+standard library and the environment only, never this interpreter's site-packages.
 
 Results come from a small pytest plugin (stdlib + pytest only) that writes one JSON file: every
 test's outcome (a test passes when setup, call and teardown all pass), the failure's traceback
@@ -248,11 +250,15 @@ class Runner:
         self.memory_mb = memory_mb
         self.python = python or sys.executable
         self.environment: Path | None = None  # a task environment (legorl.tasks.envs): read-only, on PYTHONPATH
+        self.isolated = False  # python -S: no site-packages (the environment carries pytest)
 
     def with_environment(self, environment: Path | None) -> Runner:
         """This runner for one package: its test runs see ``environment`` as its sandboxes will."""
+        from legorl.tasks.envs import has_runner
+
         other = copy.copy(self)
         other.environment = Path(environment).resolve() if environment else None
+        other.isolated = bool(environment) and has_runner(environment)
         return other
 
     def _limits(self) -> None:  # runs in the child before exec
@@ -292,7 +298,7 @@ class Runner:
             if trace is not None:
                 (ctl / "trace.json").write_text(json.dumps([str(Path(p).resolve()) for p in trace]))
                 env["LEGORL_SYNTH_TRACE"] = str(ctl / "trace.json")
-            cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN_NAME,
+            cmd = [self.python, *(["-S"] if self.isolated else []), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN_NAME,
                    f"--rootdir={repo}", *pytest_args, *paths]  # fmt: skip
             if self.sandbox == "bwrap":
                 prefix = bwrap_prefix([repo, ctl], chdir=repo)
