@@ -88,8 +88,8 @@ def test_demo_trainer_settings() -> None:
     assert (s["loss_agg"], s["max_grad_norm"], s["clip_low"], s["clip_high"], s["tis_cap"], s["is_mode"]) == (
         "seq-mean-token-mean", 1.0, 0.2, 0.28, 2.0, "tis")
     assert (s["ppo_epochs"], s["mini_batches"], s["micro_batch_tokens"], s["kl_coef"], s["entropy_coef"]) == (
-        1, 1, 4096, 0.0, 0.0)
-    assert s["shared_prefix"] and s["routing_replay"] == "off" and not s["reference_model"]
+        1, 1, 4096, 0.1, 0.0)
+    assert s["shared_prefix"] and s["routing_replay"] == "off" and s["reference_model"]
 
 
 def test_trainer_keywords_are_validated_settings() -> None:
