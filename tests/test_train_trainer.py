@@ -272,6 +272,22 @@ def test_staleness_filter() -> None:
 # ---- GPU path options on CPU --------------------------------------------------------------------
 
 
+def test_checkpoint_without_reference_takes_the_warm_start_as_reference(tmp_path) -> None:
+    """A run extended with a KL it did not have: the reference is the warm start, not the build's weights."""
+    seqs = sampled(tiny_model(), [1.0, 1.0])
+    tr = Trainer(tiny_model(), lr=3e-3, temperature=TEMP)  # no KL: checkpoints carry no reference/
+    tr.sft_step(seqs)
+    tr.save(tmp_path / "sft")
+    tr.train_step(seqs)
+    tr.save(tmp_path / "step")
+    warm = {k: v.clone() for k, v in transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft").state_dict().items()}
+
+    with_kl = Trainer(tiny_model(seed=3), lr=3e-3, temperature=TEMP, kl_coef=0.1)
+    with_kl.load(tmp_path / "step", reference=tmp_path / "sft")
+    assert all(torch.equal(v, warm[k]) for k, v in with_kl.ref_model.state_dict().items() if k in warm)
+    assert not torch.equal(with_kl.ref_model.state_dict()["lm_head.weight"], with_kl.model.state_dict()["lm_head.weight"])
+
+
 def test_bf16_autocast_and_gradient_checkpointing() -> None:
     seqs = sampled(tiny_model(), [1.0, -0.5])
     m = Trainer(tiny_model(), lr=0.0, temperature=TEMP, autocast="bf16").train_step(seqs)

@@ -207,7 +207,9 @@ class Driver:
         if found is None and (sft / "trainer_state.pt").is_file():
             found = (-1, sft)  # killed after the warm start, before the first RL checkpoint
         if found:
-            await asyncio.to_thread(self.trainer.load, found[1])
+            # A KL set only now (run extended with trainer.kl_coef) anchors to the warm start, as in a fresh run.
+            warm = sft if (sft / "trainer_state.pt").is_file() else None
+            await asyncio.to_thread(self.trainer.load, found[1], warm)
             await self.engine.update_weights(self.trainer.state_dict_for_engine())
             version = self.store.step_metrics(last).get("weight_version")
             if version is not None:  # keep version stamps continuous across the restart

@@ -496,11 +496,16 @@ class Trainer:
         }
         torch.save(state, d / STATE_FILE)
 
-    def load(self, directory: str | Path) -> None:
+    def load(self, directory: str | Path, reference: str | Path | None = None) -> None:
+        """Restore a checkpoint. The KL reference comes from its ``reference/``; a checkpoint saved
+        without one (``kl_coef`` was 0 then) takes it from ``reference``, a model directory (the SFT
+        warm start), else the reference stays the weights this trainer was built with."""
         d = Path(directory)
         _load_safetensors_into(self.model, d)
         if self.ref_model is not None and (d / REFERENCE_DIR).is_dir():
             _load_safetensors_into(self.ref_model, d / REFERENCE_DIR)
+        elif self.ref_model is not None and reference is not None:
+            _load_safetensors_into(self.ref_model, Path(reference))
         state = torch.load(d / STATE_FILE, map_location="cpu", weights_only=True)
         dist.load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.step = int(state["step"])
