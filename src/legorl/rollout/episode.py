@@ -181,9 +181,11 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
         raise
     finally:
         # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.
-        if plan.faults:
-            rollout.timings["injected_faults"] = float(len(plan.faults))
-            rollout.outcome_reason += f" [injected: {', '.join(sorted(plan.faults))}]"
+        # Engine faults are drawn per call, so they are named here too: a rollout hit by two faults says so.
+        engine_hits = getattr(ctx.proxy.engine, "injected_for", lambda _rid: set())(rid)
+        if injected := plan.faults | engine_hits:
+            rollout.timings["injected_faults"] = float(len(injected))
+            rollout.outcome_reason += f" [injected: {', '.join(sorted(injected))}]"
         rollout.reward = reward_for(rollout.outcome, ctx.policies) if rollout.outcome else None
         rollout.weight_version_end = ctx.proxy.engine.weight_version
         rollout.timings["total_s"] = time.time() - t0

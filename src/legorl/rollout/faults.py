@@ -49,6 +49,11 @@ class FaultyEngine:
         self.inner = engine
         self.cfg = cfg
         self._rng = random.Random(cfg.seed)
+        self._hits: dict[str, set[str]] = {}  # rollout id -> engine faults its calls met
+
+    def injected_for(self, rollout_id: str) -> set[str]:
+        """The engine faults this rollout's calls met (once: forgotten after)."""
+        return self._hits.pop(rollout_id, set())
 
     def __getattr__(self, name: str) -> Any:  # update_weights, close, set_script...
         return getattr(self.inner, name)
@@ -65,9 +70,11 @@ class FaultyEngine:
                        rollout_id: str = "") -> GenerationResult:
         roll = self._rng.random()
         if roll < self.cfg.engine_exception:
+            self._hits.setdefault(rollout_id, set()).add("engine_exception")
             raise InjectedFault("injected fault: engine exception")
         result = await self.inner.generate(prompt_ids, params, rollout_id=rollout_id)
         if roll < self.cfg.engine_exception + self.cfg.engine_malformed:
+            self._hits.setdefault(rollout_id, set()).add("engine_malformed")
             result.logprobs = result.logprobs[:-1]  # malformed: one logprob short
         return result
 
