@@ -42,6 +42,18 @@ def test_validate_fails_a_broken_task_and_a_leak(tmp_path: Path) -> None:
     path.write_text(json.dumps(wrong_gold.model_dump()) + "\n")
     p = cli("tasks", "validate", str(path), "--canary", "syntax_error")
     assert p.returncode == 1 and "FAIL" in p.stdout and "broken-gold gold" in p.stdout, p.stdout + p.stderr
+    # --drop-failing: the failing row moves out with its reason, a valid one and an unchecked one stay as they were.
+    good, unchecked = (json.dumps(t.model_dump()) + "\n" for t in generate_tasks(["wrong_operator"], 2, seed=12))
+    path.write_text(good + json.dumps(wrong_gold.model_dump()) + "\n" + unchecked)
+    ids = [json.loads(line)["instance_id"] for line in (good, unchecked)]
+    p = cli("tasks", "validate", str(path), "--canary", "syntax_error", "--drop-failing",
+            "--instance", ids[0], "--instance", "broken-gold")
+    assert p.returncode == 0 and "dropped 1 rows" in p.stdout, p.stdout + p.stderr
+    assert path.read_text() == good + unchecked
+    (row,) = [json.loads(line) for line in Path(f"{path}.dropped.jsonl").read_text().splitlines()]
+    assert row["instance_id"] == "broken-gold" and row["dropped_because"].startswith("bwrap: gold")
+    p = cli("tasks", "validate", "builtin:1", "--drop-failing")
+    assert p.returncode == 2 and "--drop-failing rewrites a .jsonl task file" in p.stderr
     # The lookup canary does find hidden tests that a sandbox can see.
     leak = tmp_path / "leak"
     leak.mkdir()

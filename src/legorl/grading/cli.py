@@ -123,10 +123,17 @@ def validate_command(
     sandbox: SandboxOpt = "bwrap",
     image: ImageOpt = None,
     docker_host: DockerHostOpt = None,
+    drop_failing: Annotated[
+        bool,
+        typer.Option("--drop-failing",
+                     help="a .jsonl source only: rewrite it without the rows that failed a check (they move to "
+                          "SOURCE.dropped.jsonl with the reason); rows not validated here stay"),
+    ] = False,
 ) -> None:
     """Per task: the gold patch must resolve, the empty patch must not, and every adversarial canary
     (conftest hook, test edit, stdout forgery, syntax error, exit-status rewrite, reward-file write,
-    runner hook, hidden-test lookup) must fail. Prints a table; exits 1 if any check fails."""
+    runner hook, hidden-test lookup) must fail. Prints a table; exits 1 if any check fails
+    (0 with --drop-failing once the failing rows are dropped)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -146,6 +153,8 @@ def validate_command(
             _fail(f"none of {instance} in {source}")
     if canary and (unknown := sorted(set(canary) - set(ALL_CANARIES))):
         _fail(f"unknown canaries {unknown}; known: {list(ALL_CANARIES)}")
+    if drop_failing and not (source.endswith(".jsonl") and Path(source).is_file()):
+        _fail(f"--drop-failing rewrites a .jsonl task file; {source!r} is not one")
     box_cfg = _sandbox_config(sandbox, image, docker_host)
     hide = [Path(source).resolve() if Path(source).is_dir() else Path(source).resolve().parent] if (
         Path(source).exists()) else []
@@ -175,4 +184,28 @@ def validate_command(
     for f in failures:
         console.print(f"[red]FAIL[/] {f}", highlight=False)
     console.print(f"{len(results)} tasks, {sum(r.ok for r in results)} passed every check")
+    if drop_failing and failures:
+        failed = {res.task_id: "; ".join(f"{c.name}: {c.detail}" for c in res.checks if not c.ok)
+                  for res in results if not res.ok}  # fmt: skip
+        dropped = _drop_rows(Path(source), failed, box_cfg.kind)
+        console.print(f"dropped {dropped} rows from {source} (kept in {source}.dropped.jsonl with the reason)")
+        raise typer.Exit(0)
     raise typer.Exit(1 if failures else 0)
+
+
+def _drop_rows(path: Path, failed: dict[str, str], backend: str) -> int:
+    """Rewrite a task file without the failed rows, appending them (and why) to PATH.dropped.jsonl:
+    nothing is lost, and the kept rows are byte-for-byte what they were."""
+    kept, dropped = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        row = json.loads(line) if line.strip() else None
+        if row is not None and row.get("instance_id") in failed:
+            dropped.append(json.dumps({**row, "dropped_because": f"{backend}: {failed[row['instance_id']]}"}) + "\n")
+        else:
+            kept.append(line)
+    with open(f"{path}.dropped.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(dropped)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(dropped)

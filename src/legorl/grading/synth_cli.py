@@ -134,7 +134,7 @@ def synth_command(
         bool,
         typer.Option("--add-environments",
                      help="mine nothing: give OUT's rows without one their package's environment (its test deps and "
-                          "pytest) and the `python -S` test command; validate them afterwards"),
+                          "pytest) and the `python -S` test command; validate them afterwards with --drop-failing"),
     ] = False,
 ) -> None:
     """Mine SWE-bench-style tasks from real Python packages by planting bugs.
@@ -164,7 +164,8 @@ def synth_command(
             _fail(str(e), code=1)
         for slug, dists in done.items():
             typer.echo(f"{slug}: {', '.join(dists)}")
-        typer.echo(f"{len(done)} environments built under {out / 'envs'}; run `legorl tasks validate {out / 'tasks.jsonl'}`")
+        typer.echo(f"{len(done)} environments built under {out / 'envs'}; run `legorl tasks validate {out / 'tasks.jsonl'} --drop-failing` "
+                   "(it drops a row whose bug no longer shows in its new environment)")
         raise typer.Exit(0)
     specs = [*(package or []), *(BUNDLED_PACKAGES if bundled else ())]
     if not specs:

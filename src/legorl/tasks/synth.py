@@ -723,7 +723,8 @@ def add_environments(out: Path, cfg: SynthConfig, progress: Progress | None = No
     """Rows of ``out/tasks.jsonl`` mined without an environment carrying pytest (before environments, or
     with ``environments=False``): build their package's environment from its snapshot as mining now does
     and switch their test command to ``python -S``. Returns {package: what the build installed}. The rows'
-    tests and verdicts are not re-derived: run ``legorl tasks validate`` on them afterwards."""
+    tests and verdicts are not re-derived: run ``legorl tasks validate OUT/tasks.jsonl --drop-failing``
+    afterwards, which drops a row whose bug no longer shows in its new environment."""
     from legorl.tasks.envs import has_runner
 
     path = out / "tasks.jsonl"
