@@ -113,6 +113,18 @@ def test_claude_code_shortened_by_its_own_flags(tokenizer, tmp_path):
     first = len(calls[0].prompt_ids)
     assert 1000 < first < 4000, first  # its default first prompt is ~21k tokens (BENCHMARKS.md)
     assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]
+    assert "Today's date is" in seen[0]  # its environment block: the date a small policy can learn as context
+    # --bare (its minimal mode, through harness.extra_args): no environment block, so no date, and a
+    # short Bash description; the episode plays out the same.
+    bare_seen: list[str] = []
+    (tmp_path / "bare").mkdir()
+    result, _, bare_calls, calc = asyncio.run(run_claude(
+        tokenizer, tmp_path / "bare", shell_script(tokenizer, "Bash", "command", bare_seen),
+        system_prompt=SHORT, tools=["Bash"], extra_args=["--bare"]))
+    assert result.exit_status == "Submitted" and calc == CALC.replace("a - b", "a + b")
+    assert tool_names(bare_seen[0]) == {"Bash"} and SHORT in bare_seen[0]
+    assert "Today's date is" not in bare_seen[0] and "# Environment" not in bare_seen[0]
+    assert len(bare_calls[0].prompt_ids) < first / 2, (len(bare_calls[0].prompt_ids), first)
 
 
 @needs_clis
