@@ -17,7 +17,7 @@ from legorl.config import SandboxConfig
 from legorl.grading import filter_diff, grade, junit_key, parse_junit, workspace_diff
 from legorl.grading.junit import JUnitError, parse_junit_text, to_junit_xml
 from legorl.grading.policy import filter_diff_detailed
-from legorl.grading.stream import StreamedRun
+from legorl.grading.stream import ResultServer, StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import Outcome
@@ -255,6 +255,28 @@ def test_verdict_needs_stream_exit_code_and_junit_to_agree() -> None:
         truncated.feed(ev)
     v = decide(truncated, ["t.py::a"], exit_code=0, timed_out=False, junit=None)
     assert v.outcome == Outcome.UNRESOLVED and "before collection finished" in v.reason
+
+
+def test_result_stream_is_kept_when_the_loop_had_not_accepted_it_yet() -> None:
+    """The test process connects, reports and exits while the grader's event loop is busy: its
+    connection is still queued when the grader asks for the stream. It must be read, not lost (a
+    `grader_error` "the verifier plugin never reported" under load, with "3 passed" in the log)."""
+    import socket
+
+    async def main() -> tuple[bool, StreamedRun, bool]:
+        async with ResultServer() as results:
+            plugin = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            plugin.connect(str(results.socket_path))  # blocking: the loop has not run since
+            plugin.sendall(b'{"ev": "start"}\n{"ev": "configured", "rootdir": "/workspace"}\n')
+            plugin.close()
+            done = await results.wait_done(5.0)
+        async with ResultServer() as silent:  # pytest never started: no connection at all
+            never = await silent.wait_done(0.2)
+        return done, results.run, never
+
+    done, run, never = asyncio.run(main())
+    assert done and run.started and run.configured and not run.anomalies
+    assert never is False
 
 
 def test_junit_key_matches_pytest_for_parameter_ids_holding_colons(tmp_path: Path) -> None:

@@ -183,9 +183,10 @@ class ResultServer:
             self._done.set()
 
     async def wait_done(self, timeout: float) -> bool:
-        """True once the plugin's connection closed (always true after the sandbox is gone)."""
-        if self._connections == 0:
-            return False
+        """True once the plugin's connection closed (always true after the sandbox is gone). Called once
+        the test process has ended, so its connection is made, but a busy event loop may not have
+        accepted it yet: wait for it too, else the whole stream is lost (False after `timeout`: the
+        plugin never connected, i.e. pytest never started)."""
         try:
             await asyncio.wait_for(self._done.wait(), timeout)
             return True
