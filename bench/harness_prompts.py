@@ -5,7 +5,7 @@ built-in tasks through the proxy, as `make demo` does; the figures are the recor
 lengths (the built-in tokenizer): the first call of each episode and the median over all calls.
 The shortened configurations are those of configs/demo-claude-code.yaml and configs/demo-codex.yaml.
 
-    .venv/bin/python bench/harness_prompts.py [--episodes 4]
+    .venv/bin/python bench/harness_prompts.py [--episodes 4] [--harness claude-code]
 """
 
 from __future__ import annotations
@@ -37,11 +37,16 @@ async def measure(config: Path | None, overrides: list[str], episodes: int) -> t
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=4)
+    ap.add_argument("--harness", action="append", help="only this harness (repeatable); default: all three")
     args = ap.parse_args()
     cases = [("mini-swe-agent", "legorl's default", None, [])]
     for name in ("claude-code", "codex"):
         cases.append((name, "its defaults", None, [f"harness.name={name}"]))
+        if name == "claude-code":  # what --bare (its minimal mode) removes on top of the other switches
+            cases.append((name, "shortened, without --bare", ROOT / "configs" / f"demo-{name}.yaml",
+                          ["harness.extra_args=[]"]))
         cases.append((name, "shortened (demo config)", ROOT / "configs" / f"demo-{name}.yaml", []))
+    cases = [c for c in cases if not args.harness or c[0] in args.harness]
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
     print("|---|---|---:|---:|---:|")
     for name, label, config, overrides in cases:
