@@ -39,13 +39,15 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=4)
     ap.add_argument("--harness", action="append", help="only this harness (repeatable); default: all three")
     args = ap.parse_args()
-    cases = [("mini-swe-agent", "legorl's default", None, [])]
-    for name in ("claude-code", "codex"):
-        cases.append((name, "its defaults", None, [f"harness.name={name}"]))
-        if name == "claude-code":  # what --bare (its minimal mode) removes on top of the other switches
-            cases.append((name, "shortened, without --bare", ROOT / "configs" / f"demo-{name}.yaml",
-                          ["harness.extra_args=[]"]))
-        cases.append((name, "shortened (demo config)", ROOT / "configs" / f"demo-{name}.yaml", []))
+    claude, codex = ROOT / "configs" / "demo-claude-code.yaml", ROOT / "configs" / "demo-codex.yaml"
+    cases = [
+        ("mini-swe-agent", "legorl's default", None, []),
+        ("claude-code", "its defaults", None, ["harness.name=claude-code"]),
+        ("claude-code", "shortened, without --bare", claude, ["harness.extra_args=[]"]),  # what --bare removes
+        ("claude-code", "shortened (demo config)", claude, []),
+        ("codex", "its defaults", None, ["harness.name=codex"]),
+        ("codex", "shortened (demo config)", codex, []),
+    ]
     cases = [c for c in cases if not args.harness or c[0] in args.harness]
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
     print("|---|---|---:|---:|---:|")

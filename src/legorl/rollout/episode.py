@@ -22,7 +22,7 @@ from legorl.grading import empty_patch_report, grade, workspace_diff
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
-from legorl.rollout.faults import FaultPlan, InjectedFault, kill_later, plan_for
+from legorl.rollout.faults import FaultPlan, FaultyEngine, InjectedFault, kill_later, plan_for
 from legorl.rollout.outcomes import DEFAULT_POLICIES, EpisodeFacts, Policy, decide, reward_for
 from legorl.sandbox import Sandbox, SandboxError
 from legorl.sandbox.control import RELAY_PORT
@@ -182,7 +182,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
     finally:
         # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.
         # Engine faults are drawn per call, so they are named here too: a rollout hit by two faults says so.
-        engine_hits = getattr(ctx.proxy.engine, "injected_for", lambda _rid: set())(rid)
+        engine = ctx.proxy.engine
+        engine_hits = engine.injected_for(rid) if isinstance(engine, FaultyEngine) else set()
         if injected := plan.faults | engine_hits:
             rollout.timings["injected_faults"] = float(len(injected))
             rollout.outcome_reason += f" [injected: {', '.join(sorted(injected))}]"
