@@ -19,7 +19,7 @@ from test_proxy import check_fidelity
 from legorl.engine import ScriptedEngine
 from legorl.harness.base import HarnessRun
 from legorl.harness.claude_code import NPM_BIN
-from legorl.harness.codex import CodexHarness
+from legorl.harness.codex import CodexHarness, native_codex
 from legorl.models import render_tool_call_text
 from legorl.proxy.server import Proxy
 from legorl.records import Outcome
@@ -104,3 +104,19 @@ def test_codex_without_model_calls_is_no_model_calls(tokenizer, tmp_path):
     assert session.n_calls == 0 and calls == [] and calc == CALC
     outcome, reason = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
     assert outcome == Outcome.NO_MODEL_CALLS, reason
+
+
+def test_codex_starts_its_native_binary_as_the_npm_launcher_would(tmp_path):
+    # The npm `codex` is a Node launcher that execs the platform binary with two variables set: the
+    # harness runs that binary itself (one Node start less per episode), with the same variables.
+    harness = CodexHarness()
+    asyncio.run(harness.start())
+    assert harness.binary is not None and Path(harness.binary).name == "codex" and Path(harness.binary).is_file()
+    assert "/vendor/" in harness.binary and not harness.binary.endswith(".js")
+    assert harness.launcher_env["CODEX_MANAGED_BY_NPM"] == "1"
+    assert Path(harness.launcher_env["CODEX_MANAGED_PACKAGE_ROOT"], "bin", "codex.js").is_file()
+    assert native_codex(str(tmp_path / "codex")) is None  # not the launcher: used as given
+    fake = tmp_path / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("")
+    assert native_codex(str(fake)) is None  # the launcher without its platform package
