@@ -52,9 +52,10 @@ setup-sandbox-image:
 	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
 	bash scripts/sandbox-image.sh
 
-# make demo HARNESS=claude-code|codex: the same job through another harness (its CLI from npm)
+# make demo HARNESS=claude-code|codex|mixed: the same job through another harness, or one policy through
+# all three (configs/demo-mixed.yaml); the CLIs come from npm
 demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis)
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code or codex)" >&2; exit 2; }
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex or mixed)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 
