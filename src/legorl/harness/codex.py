@@ -132,7 +132,7 @@ class CodexHarness(SandboxedCLI):
     config: dict[str, Any] = field(default_factory=dict)  # more config.toml keys
     max_calls: int | None = None  # enforced by the proxy session (Codex has no turn limit)
     name: str = "codex"
-    launcher_env: dict[str, str] = field(default_factory=dict)  # what the npm launcher would have set
+    launcher_env: dict[str, str] = field(default_factory=dict, init=False)  # set by start(): what the npm launcher would set
 
     def __post_init__(self) -> None:
         self.config_keys()  # an unknown tool or a value TOML cannot hold fails at construction
