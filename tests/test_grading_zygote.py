@@ -219,3 +219,40 @@ def test_a_runs_fresh_tmp_keeps_the_sandboxs_binds_below_it():
 27 20 8:1 /tmpfoo /tmpfoo ro - ext4 /dev/sda1 rw
 """
     assert _mounts_below(("/tmp", "/dev/shm"), mountinfo) == [("/tmp/my dir", False), ("/tmp/ci/.venv", True)]
+
+
+def test_the_zygotes_warm_up_session_leaves_its_state_as_it_was(tmp_path: Path) -> None:
+    # warm_up runs a whole pytest session inside the zygote before it forks any run: what it imports
+    # lazily may stay (a fresh run imports it too), but nothing of its own test file, and no change to
+    # the paths, import hooks, warning filters, cwd or stdio a run inherits. In a subprocess: a pytest
+    # session nested in this one would share its state.
+    import json
+    import subprocess
+    import sys
+
+    from legorl.grading.pool import ZYGOTE_SOURCE
+
+    probe = f"""
+import json, os, sys, warnings
+z = {{"__name__": "legorl_zygote"}}
+exec(compile(open({str(ZYGOTE_SOURCE)!r}).read(), "<legorl-zygote>", "exec"), z)
+state = lambda: [list(sys.path), [repr(h) for h in sys.meta_path], [repr(f) for f in warnings.filters], os.getcwd(),
+                 hasattr(sys, "last_value")]
+before, modules = state(), set(sys.modules)
+print("stdout still here", flush=True)
+z["warm_up"]()
+print("stdout still here", flush=True)
+new = sorted(set(sys.modules) - modules)
+print(json.dumps({{"same": state() == before, "new": new,
+                  "own": [m for m in new if "warm_up" in m or "legorl" in (getattr(sys.modules[m], "__file__", "") or "")],
+                  "tmp": [p for p in os.listdir({str(tmp_path)!r})]}}))
+"""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()  # fmt: skip
+    assert out[:2] == ["stdout still here"] * 2, out  # the session's output went nowhere, stdio came back
+    result = json.loads(out[2])
+    assert result["same"], result
+    assert result["own"] == [], result  # its test module is gone (a run may name its own module alike)
+    assert result["tmp"] == [], result  # its throwaway dir too
+    assert result["new"], result  # it did run: what it imported lazily stays

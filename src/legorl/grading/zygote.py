@@ -4,12 +4,13 @@ Stdlib + pytest only, no legorl imports: it is copied into the verifier dir (rea
 sandbox) and started there by ``exec python -c`` (compiled as ``<legorl-zygote>``, see pool.py)
 with the grader's environment, so its interpreter is the one ``python -m pytest`` would be.
 
-It imports pytest and pytest's default plugins, never anything of a task's repository, freezes
-the heap (``gc.freeze``), connects to the host's socket and answers requests, one at a time. For
-each patch it forks, and the fork (C) unshares new user, mount, pid, ipc and network namespaces;
-there it binds the patch's own fresh repo copy (``slot``) over the workspace path, mounts fresh
-``/tmp`` and ``/dev/shm`` tmpfs, covers the zygote's and the agent's control dirs, brings up its
-own loopback, and forks the pid namespace's init (I), which forks the test process (P): P drops
+It imports pytest and pytest's default plugins, never anything of a task's repository, runs one
+pytest session on a test file of its own (``warm_up``: what every run would fill lazily is filled
+once), freezes the heap (``gc.freeze``), connects to the host's socket and answers requests, one
+at a time. For each patch it forks, and the fork (C) unshares new user, mount, pid, ipc and
+network namespaces; there it binds the patch's own fresh repo copy (``slot``) over the workspace
+path, mounts fresh ``/tmp`` and ``/dev/shm`` tmpfs, covers the zygote's and the agent's control
+dirs, brings up its own loopback, and forks the pid namespace's init (I), which forks the test process (P): P drops
 every capability, makes itself what ``python -m pytest ARGS`` would be (argv, ``sys.path[0]``,
 ``__main__``, cwd, environment, CPU limit, stdio on the host's output file) and runs pytest's
 ``__main__`` at the top of the stack, so the interpreter exits as a fresh one would (atexit,
@@ -115,9 +116,72 @@ def preload() -> None:
     # the interpreter's dirs are cached per dir and mtime, so list them once here. Not '' (the cwd): a run's
     # cwd is its own repo.
     list(importlib.metadata.distributions(path=[p for p in sys.path if p and os.path.isabs(p)]))
+    warm_up()
     import gc
 
     gc.freeze()  # the imported heap: never scanned again, so the forks' collections stay small
+
+
+WARM_UP_TEST = """import pytest
+
+
+@pytest.fixture
+def value():
+    return 1
+
+
+def test_passes(value):
+    assert value == 1
+
+
+def test_fails(value):
+    assert value == 2, "expected"
+"""
+
+
+def warm_up() -> None:
+    """One pytest session in this process on a test file of its own (a pass, a failed assertion, a
+    fixture), in a throwaway dir: what every run would fill lazily (the imports of its terminal,
+    debugging and JUnit paths, the regex and function caches) is filled once, before the forks,
+    so each run is about a fifth cheaper. No task code is involved; what the session left in this
+    process's state is put back (modules of its dir, sys.path, meta path, warning filters, cwd,
+    stdio)."""
+    import shutil
+    import tempfile
+    import warnings
+
+    import pytest
+
+    work = tempfile.mkdtemp(prefix="legorl-zygote-warm-up-")
+    with open(os.path.join(work, "test_legorl_warm_up.py"), "w") as f:
+        f.write(WARM_UP_TEST)
+    saved = (list(sys.path), list(sys.meta_path), list(warnings.filters), set(sys.modules), os.getcwd())
+    stdio = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.chdir(work)
+        pytest.main(["-p", "no:cacheprovider", f"--rootdir={work}", f"--junitxml={work}/junit.xml",
+                     "test_legorl_warm_up.py"])
+    except BaseException:  # noqa: BLE001, S110 - only a speed-up: a run works the same without it
+        pass
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved_fd in ((1, stdio[0]), (2, stdio[1])):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        os.close(null)
+        sys.path[:], sys.meta_path[:], warnings.filters[:], modules, cwd = saved
+        os.chdir(cwd)
+        for name in set(sys.modules) - modules:
+            if getattr(sys.modules[name], "__file__", None) and sys.modules[name].__file__.startswith(work):
+                del sys.modules[name]
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def exposed() -> list:
