@@ -109,9 +109,10 @@ class Pristine:
 
 
 class PristineCache:
-    """``prepare_repo`` once per task content (an LRU of ``size``), in a private dir of this process."""
+    """``prepare_repo`` once per task content (an LRU of ``size``, ~150 KB each for a built-in task), in a
+    private dir of this process: an episode's workspace and a grading's sources are copies of it."""
 
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = 512) -> None:
         self.size = size
         self._root: Path | None = None
         self._entries: dict[str, Pristine] = {}
@@ -159,9 +160,10 @@ class PristineCache:
         return entry
 
 
-    def copy(self, task: Task, dest: Path, ids: tuple[int, int]) -> Pristine:
-        """A private copy of the task's pristine repo at ``dest`` (made under the lock: an entry is never
-        evicted mid-copy)."""
+    def copy(self, task: Task, dest: Path, ids: tuple[int, int] | None = None) -> Pristine:
+        """A private copy of the task's pristine repo at ``dest``, owned by ``ids`` (default: this process's
+        uid), what ``prepare_repo(task, dest)`` would write, for a copy's cost (made under the lock: an entry
+        is never evicted mid-copy)."""
         while True:
             entry = self.get(task)
             with self._lock:
@@ -173,9 +175,11 @@ class PristineCache:
 PRISTINE = PristineCache()
 
 
-def copy_repo(src: Path, dest: Path, ids: tuple[int, int]) -> None:
-    """A private copy of a pristine repo, owned by the sandbox's uid (as ``open_to`` does a workspace)."""
+def copy_repo(src: Path, dest: Path, ids: tuple[int, int] | None) -> None:
+    """A private copy of a pristine repo, owned by ``ids`` (a sandbox's uid, as ``open_to`` does a workspace)."""
     shutil.copytree(src, dest, symlinks=True)
+    if ids is None:
+        return
     for dirpath, dirnames, filenames in os.walk(dest):
         os.lchown(dirpath, *ids)
         for name in (*dirnames, *filenames):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from legorl.config import FaultsConfig, SandboxConfig
 from legorl.grading import empty_patch_report, grade, workspace_diff
+from legorl.grading.pool import PRISTINE
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
@@ -29,7 +30,7 @@ from legorl.sandbox.control import RELAY_PORT
 from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
-from legorl.tasks import Task, prepare_repo
+from legorl.tasks import Task
 
 CANCELLED_REASON = "cancelled: a straggler, its step already had enough complete groups"
 
@@ -122,7 +123,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
         try:
             if "slow_sandbox_start" in plan:
                 await asyncio.sleep(ctx.faults.slow_start_seconds)
-            await asyncio.to_thread(prepare_repo, task, box_dir / "workspace")
+            await asyncio.to_thread(PRISTINE.copy, task, box_dir / "workspace")  # prepare_repo's result, cached
             sandbox = await create_sandbox(
                 ctx.sandbox, workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
                 proxy_socket=ctx.proxy.unix_socket, relay_port=ctx.relay_port, hide_paths=ctx.hide_paths,
