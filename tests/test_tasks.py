@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,30 @@ def test_prepare_repo_one_orphan_commit_deterministic(tmp_path: Path) -> None:
     assert not (tmp_path / "a" / HIDDEN_TEST_PATH).exists()
     assert HIDDEN_TEST_PATH not in git(tmp_path / "a", "ls-files")
     assert git(tmp_path / "a", "status", "--porcelain") == ""
+
+
+def test_an_episodes_cached_copy_is_what_prepare_repo_writes(tmp_path: Path) -> None:
+    # Episodes take their workspace from the pristine cache (grading/pool.py): the same files, the same one
+    # orphan commit, a clean work tree, and a private copy each (one episode's edits never reach the next).
+    from legorl.grading.pool import PristineCache
+    from legorl.tasks.repo import assert_clean_history
+
+    task = generate_tasks(None, 1, seed=3, split="train")[0]
+    cache = PristineCache(size=2)
+    sha = prepare_repo(task, tmp_path / "fresh")
+    cache.copy(task, tmp_path / "one")
+    (tmp_path / "one" / next(iter(task.files))).write_text("edited by an agent\n")
+    cache.copy(task, tmp_path / "two")
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and ".git" not in p.relative_to(root).parts}  # fmt: skip
+
+    assert tree(tmp_path / "two") == tree(tmp_path / "fresh")
+    assert git(tmp_path / "two", "rev-parse", "HEAD").strip() == sha
+    assert git(tmp_path / "two", "status", "--porcelain") == ""
+    assert_clean_history(tmp_path / "two")
+    assert (tmp_path / "two").stat().st_uid == os.getuid()
 
 
 def test_task_repo_git_never_reaches_the_repository_around_it(tmp_path: Path) -> None:
