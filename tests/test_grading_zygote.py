@@ -256,3 +256,33 @@ print(json.dumps({{"same": state() == before, "new": new,
     assert result["own"] == [], result  # its test module is gone (a run may name its own module alike)
     assert result["tmp"] == [], result  # its throwaway dir too
     assert result["new"], result  # it did run: what it imported lazily stays
+
+
+def test_a_run_takes_the_prebuilt_config_only_when_it_blocks_the_same_plugins(tmp_path: Path) -> None:
+    # prebuild_config builds pytest's Config with the default plugins before any run; a run's session takes
+    # it (once, with its own arguments and directory) only when its `-p no:` arguments are the ones it was
+    # built with: a task's command line that blocks another plugin gets a Config built for it, as always.
+    import subprocess
+    import sys
+
+    from legorl.grading.pool import ZYGOTE_SOURCE
+    from legorl.grading.zygote import _exclusions
+
+    assert _exclusions(["-q", "-p", "no:cacheprovider", "-pno:doctest", "-p", "myplugin", "-p"]) == {
+        "no:cacheprovider", "no:doctest"}  # fmt: skip
+    probe = f"""
+import _pytest.config as pc
+z = {{"__name__": "legorl_zygote"}}
+exec(compile(open({str(ZYGOTE_SOURCE)!r}).read(), "<legorl-zygote>", "exec"), z)
+z["prebuild_config"](); built = z["PREBUILT"]["config"]; z["_use_prebuilt_config"]()
+run = pc.get_config(["-q", "-p", "no:cacheprovider", "tests/test_x.py"])
+again = pc.get_config(["-p", "no:cacheprovider"])
+print(run is built, run.invocation_params.args == ("-q", "-p", "no:cacheprovider", "tests/test_x.py"),
+      str(run.invocation_params.dir), again is not built)
+z["prebuild_config"](); built = z["PREBUILT"]["config"]; z["_use_prebuilt_config"]()
+other = pc.get_config(["-p", "no:cacheprovider", "-p", "no:doctest"])
+print(other is not built, other.pluginmanager.is_blocked("doctest"), built.pluginmanager.get_plugin("doctest") is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()  # fmt: skip
+    assert out == ["True", "True", str(tmp_path), "True", "True", "True", "True"], out

@@ -6,17 +6,18 @@ with the grader's environment, so its interpreter is the one ``python -m pytest`
 
 It imports pytest and pytest's default plugins, never anything of a task's repository, runs one
 pytest session on a test file of its own (``warm_up``: what every run would fill lazily is filled
-once), freezes the heap (``gc.freeze``), connects to the host's socket and answers requests, one
-at a time. For each patch it forks, and the fork (C) unshares new user, mount, pid, ipc and
-network namespaces; there it binds the patch's own fresh repo copy (``slot``) over the workspace
-path, mounts fresh ``/tmp`` and ``/dev/shm`` tmpfs, covers the zygote's and the agent's control
-dirs, brings up its own loopback, and forks the pid namespace's init (I), which forks the test process (P): P drops
-every capability, makes itself what ``python -m pytest ARGS`` would be (argv, ``sys.path[0]``,
-``__main__``, cwd, environment, CPU limit, stdio on the host's output file) and runs pytest's
-``__main__`` at the top of the stack, so the interpreter exits as a fresh one would (atexit,
-threads, flushes). When P has exited, I kills every process left in the namespace, copies
-pytest's JUnit report (from P's private ``/tmp``) to the host's file and exits, which ends the
-namespace; C enforces the timeout by killing I. Nothing a test run leaves (processes, files,
+once), builds pytest's Config with its default plugins (``prebuild_config``: each run's fork starts
+from its own copy), freezes the heap (``gc.freeze``), connects to the host's socket and answers
+requests, one at a time. For each patch it forks, and the fork (C) unshares new user, mount, pid,
+ipc and network namespaces; there it binds the patch's own fresh repo copy (``slot``) over the
+workspace path, mounts fresh ``/tmp`` and ``/dev/shm`` tmpfs, covers the zygote's and the agent's
+control dirs, brings up its own loopback, and forks the pid namespace's init (I), which forks the
+test process (P): P drops every capability, makes itself what ``python -m pytest ARGS`` would be
+(argv, ``sys.path[0]``, ``__main__``, cwd, environment, CPU limit, stdio on the host's output file)
+and runs pytest's ``__main__`` at the top of the stack, so the interpreter exits as a fresh one
+would (atexit, threads, flushes). When P has exited, I kills every process left in the namespace,
+copies pytest's JUnit report (from P's private ``/tmp``) to the host's file and exits, which ends
+the namespace; C enforces the timeout by killing I. Nothing a test run leaves (processes, files,
 mounts, IPC objects, sockets, modules, environment) reaches the next patch.
 
 Code under test cannot reach the zygote: it sees no process outside its pid namespace to signal,
@@ -117,6 +118,7 @@ def preload() -> None:
     # cwd is its own repo.
     list(importlib.metadata.distributions(path=[p for p in sys.path if p and os.path.isabs(p)]))
     warm_up()
+    prebuild_config()
     import gc
 
     gc.freeze()  # the imported heap: never scanned again, so the forks' collections stay small
@@ -182,6 +184,62 @@ def warm_up() -> None:
             if hasattr(sys, name):
                 delattr(sys, name)
         shutil.rmtree(work, ignore_errors=True)
+
+
+PREBUILT_ARGS = ("-p", "no:cacheprovider")  # the `-p no:` exclusions of every grader command line
+PREBUILT: dict = {}
+
+
+def prebuild_config() -> None:
+    """pytest's Config with the default plugins registered, as ``get_config`` builds it first thing in
+    every session (about a quarter of a run's CPU, all of it independent of the run): built once here,
+    before any run, so that each test process's fork of this one starts from its own copy."""
+    import _pytest.config
+
+    try:
+        PREBUILT["config"] = _pytest.config.get_config(list(PREBUILT_ARGS))
+    except Exception:  # noqa: BLE001 - another pytest's internals: each run builds its own, as before
+        PREBUILT.clear()
+
+
+def _exclusions(args) -> set:
+    """The ``-p no:NAME`` arguments of a command line, as pytest's ``consider_preparse`` reads them."""
+    found, words = set(), iter(args)
+    for word in words:
+        if not isinstance(word, str) or not word.startswith("-p"):
+            continue
+        arg = next(words, None) if word == "-p" else word[2:]
+        if arg is not None and arg.strip().startswith("no:"):
+            found.add(arg.strip())
+    return found
+
+
+def _use_prebuilt_config() -> None:
+    """In a test process: the session's ``get_config`` returns the prebuilt Config (once), given this
+    run's arguments and directory, when the run blocks exactly the plugins it was built without;
+    otherwise (other ``-p no:`` arguments, plugins passed in, PYTEST_DEBUG) pytest builds its own."""
+    config = PREBUILT.pop("config", None)
+    if config is None:
+        return
+    import pathlib
+
+    import _pytest.config as pytest_config
+
+    build = pytest_config.get_config
+
+    def get_config(args=None, plugins=None, **kwargs):
+        pytest_config.get_config = build
+        same = _exclusions(args or ()) == _exclusions(PREBUILT_ARGS)
+        if plugins or kwargs or os.environ.get("PYTEST_DEBUG") or not same:
+            return build(args, plugins, **kwargs)
+        try:
+            config.invocation_params = pytest_config.Config.InvocationParams(
+                args=args or (), plugins=plugins, dir=pathlib.Path.cwd())
+        except Exception:  # noqa: BLE001 - another pytest's internals: build it as usual
+            return build(args, plugins, **kwargs)
+        return config
+
+    pytest_config.get_config = get_config
 
 
 def exposed() -> list:
@@ -425,6 +483,7 @@ def _exec_pytest(job: dict) -> None:
     """At the top of the stack of a test process: run pytest's __main__ as `python -m pytest` would."""
     import runpy
 
+    _use_prebuilt_config()
     main = sys.modules["__main__"].__dict__
     builtins = main.get("__builtins__")
     main.clear()
