@@ -6,6 +6,7 @@ new tokens, exactly what the proxy's token bridge sends; every turn samples exac
 
   engine            LocalEngine (continuous batching, slot KV cache, prefix reuse)
   engine, no reuse  the same engine with the prefix cache off
+  engine, split     the same engine with `split_steps` (each large step as two halves in two threads)
   HF generate       the peer: `model.generate` one call at a time (batch 1), the whole prompt every turn
 
 It prints a table of generated tokens/s and the ratios, and the share of prefill tokens the
@@ -70,13 +71,14 @@ def turn_tokens(session: int, turn: int, n: int, vocab: int, group: int = 1) -> 
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
-async def run_engine(model, tok, args, prefix: bool, group: int = 1) -> Row:
+async def run_engine(model, tok, args, prefix: bool, group: int = 1, split: bool = False) -> Row:
     eng = LocalEngine(
         model,
         tok,
         max_batch=args.sessions,
         stop_token_ids=[],
         prefix_cache_mb=args.prefix_cache_mb if prefix else 0,
+        split_steps=split,
     )
     vocab = len(tok)
 
@@ -99,6 +101,8 @@ async def run_engine(model, tok, args, prefix: bool, group: int = 1) -> Row:
     name = "engine (prefix reuse)" if prefix else "engine, prefix reuse off"
     if group > 1:
         name = f"engine (prefix reuse), GRPO groups of {group}"
+    if split:
+        name += ", both cores (`split_steps`)"
     return Row(
         name,
         args.sessions,
@@ -200,6 +204,8 @@ def main() -> None:
     print(f"  {plain.name}: {plain.tps:.0f} tok/s", flush=True)
     grouped = asyncio.run(run_engine(model, tok, args, prefix=True, group=args.group_size))
     print(f"  {grouped.name}: {grouped.tps:.0f} tok/s", flush=True)
+    split = asyncio.run(run_engine(model, tok, args, prefix=True, split=True))
+    print(f"  {split.name}: {split.tps:.0f} tok/s", flush=True)
     peer = run_peer(model, tok, args)
     print(f"  {peer.name}: {peer.tps:.0f} tok/s", flush=True)
     load_after = os.getloadavg()
@@ -211,7 +217,7 @@ def main() -> None:
     cmd = "python bench/engine.py " + " ".join(sys.argv[1:])
     text = "\n".join(
         [
-            table([fast, plain, grouped, peer], peer),
+            table([fast, plain, grouped, split, peer], peer),
             "",
             (
                 f"- Prefill tokens saved by prefix reuse: **{saved:.1%}** ({fast.reused} of {fast.prompt_tokens} prompt "
@@ -225,8 +231,10 @@ def main() -> None:
                 f"(issue 24 targets: >= 5,000 tokens/s and >= 30x); per CPU-second (process CPU time, which "
                 f"other jobs on the machine move much less than wall time): {fast.per_cpu:.0f} vs "
                 f"{peer.per_cpu:.0f} tokens, **{fast.per_cpu / peer.per_cpu:.1f}x**. Prefix reuse alone: "
-                f"{fast.tps / plain.tps:.1f}x over the same engine without it. What bounds it: docs/experiments.md "
-                "(engine, 2026-12-02)."
+                f"{fast.tps / plain.tps:.1f}x over the same engine without it. With `engine.split_steps` (a large "
+                f"step as two halves in two threads, using the second core): **{split.tps:.0f} tokens/s**, "
+                f"**{split.tps / peer.tps:.1f}x**, at {split.per_cpu:.0f} tokens per CPU-second. What bounds it: "
+                "docs/experiments.md (engine, 2026-12-02 and 2026-12-03)."
             ),
             (
                 f"- Workload: tiny Qwen3 ({params / 1e6:.1f} M params, hidden {spec.hidden_size}, {spec.num_layers} layers, "

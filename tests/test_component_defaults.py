@@ -130,8 +130,20 @@ def test_local_engine_from_default_config_and_from_its_yaml(tokenizer, tmp_path:
 def test_serve_command_defaults_are_the_engine_section() -> None:
     params = inspect.signature(serve_command).parameters
     e = EngineConfig()
-    assert (params["max_batch"].default, params["prefix_cache_mb"].default, params["threads"].default) == (
-        e.max_batch, e.prefix_cache_mb, e.torch_threads)
+    assert (params["max_batch"].default, params["prefix_cache_mb"].default, params["threads"].default,
+            params["split_steps"].default) == (e.max_batch, e.prefix_cache_mb, e.torch_threads, e.split_steps)
+
+
+def test_split_steps_setting_reaches_the_decoder(tokenizer) -> None:
+    async def build() -> list[bool]:
+        out = []
+        for cfg in (EngineConfig(), EngineConfig(split_steps=True)):
+            engine = LocalEngine(tiny_qwen3(), tokenizer, cfg)
+            out.append(engine.decoder._pool is not None)
+            await engine.close()
+        return out
+
+    assert asyncio.run(build()) == [False, True]
 
 
 def runner_settings(runner: GroupRunner) -> tuple[int, int, float]:

@@ -21,6 +21,7 @@ from legorl.config import ConfigError, load_config
     (["engine.kind=sglang", "engine.urls=[http://gpu1:30000]", "engine.prefix_cache_mb=64"],
      ["engine.prefix_cache_mb", "engine.kind sglang"]),
     (["engine.kind=scripted", "engine.max_batch=4"], ["engine.max_batch", "engine.kind scripted"]),
+    (["engine.kind=scripted", "engine.split_steps=true"], ["engine.split_steps", "engine.kind scripted"]),
     (["tasks.path=tasks.jsonl"], ["tasks.path", "built-in suite has no file"]),
     (["tasks.source=harbor"], ["tasks.source harbor needs tasks.path"]),
     (["sft.teacher_url=https://host/v1"], ["sft.teacher_url", "scripted teacher"]),

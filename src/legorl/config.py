@@ -58,6 +58,7 @@ class EngineConfig(_Section):
     max_batch: int = Field(16, gt=0)  # local: sequences decoded together
     prefix_cache_mb: float = Field(512.0, ge=0)  # local: KV kept for prompts that extend earlier calls
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
+    split_steps: bool = False  # local: a large step as two halves in two threads (uses an idle second core)
     urls: list[str] = Field(default_factory=list)  # vllm / sglang: one URL per server
     checkpoint_dir: str | None = None  # vllm / sglang: shared-disk directory the servers reload weights from
 
@@ -66,10 +67,11 @@ class EngineConfig(_Section):
         remote = self.kind in ("vllm", "sglang")
         if remote and not self.urls:
             raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server")
-        unheard = _changed(self, "max_batch", "prefix_cache_mb") if self.kind != "local" else []
+        unheard = _changed(self, "max_batch", "prefix_cache_mb", "split_steps") if self.kind != "local" else []
         unheard += _changed(self, "urls", "checkpoint_dir") if not remote else []
         for key in unheard:
-            owner = "the embedded engine (engine.kind local)" if key in ("max_batch", "prefix_cache_mb") else \
+            owner = "the embedded engine (engine.kind local)" if key in ("max_batch", "prefix_cache_mb",
+                                                                            "split_steps") else \
                 "remote servers (engine.kind vllm or sglang)"
             raise ValueError(f"engine.{key} is not honoured by engine.kind {self.kind}: it configures {owner}")
         return self

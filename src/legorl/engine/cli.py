@@ -34,6 +34,9 @@ def serve_command(
     ] = _ENGINE.prefix_cache_mb,
     threads: Annotated[int, typer.Option("--threads", help="torch intra-op threads; 0: torch's default")]
     = _ENGINE.torch_threads,
+    split_steps: Annotated[
+        bool, typer.Option("--split-steps", help="each large step as two halves in two threads (idle 2nd core)")
+    ] = _ENGINE.split_steps,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
         str, typer.Option("--dtype", help="float32 (exact logprobs), bfloat16 or float16")
@@ -63,7 +66,7 @@ def serve_command(
 
     policy = policy.to(device=device, dtype=getattr(torch, dtype))
     engine = LocalEngine(policy, tokenizer, max_batch=max_batch, prefix_cache_mb=prefix_cache_mb,
-                         torch_threads=threads, max_context=max_context)
+                         torch_threads=threads, split_steps=split_steps, max_context=max_context)
     server = EngineServer(engine, tokenizer, served_model_name, str(model) if model else None)
     console.print(
         f"legorl serve: {served_model_name} ({engine.backend} engine, context {engine.max_context()}) "

@@ -123,7 +123,10 @@ class LocalEngine:
     Its settings are the ``engine`` section's (``config``, default ``EngineConfig()``), single keys
     overridable by keyword: ``max_batch`` (concurrent sequences: KV slots, each ``max_context``
     long, preallocated), ``prefix_cache_mb`` (memory bound of the prefix cache; 0 turns prefix
-    reuse off) and ``torch_threads`` (torch intra-op threads, process-wide; 0 leaves torch's).
+    reuse off), ``torch_threads`` (torch intra-op threads, process-wide; 0 leaves torch's) and
+    ``split_steps`` (each large step as two halves in two threads, fast path only: rows are
+    independent, so results are the same; ~15% more CPU per token, so it pays only where a second
+    core is idle).
 
     Args (not settings):
         stop_token_ids: engine-wide stop ids (default ``<|im_end|>``, ``<|endoftext|>``).
@@ -132,9 +135,6 @@ class LocalEngine:
         max_context: cap on the context (default: the model's ``max_position_embeddings``).
         prefill_chunk: prefill token budget between two decode steps (at least one request is
             admitted per step), so long prompts do not stall running sequences for long.
-        split_steps: run each large step as two halves in two threads (fast path only; rows are
-            independent, so results are the same). Off by default: it costs ~15% more CPU per token and
-            only pays where a second core is idle (on the shared 2-core machine it did not measurably).
     """
 
     def __init__(
@@ -147,7 +147,6 @@ class LocalEngine:
         fast: bool | None = None,
         max_context: int | None = None,
         prefill_chunk: int = 2048,
-        split_steps: bool = False,
         **settings: Any,
     ) -> None:
         c = EngineConfig.model_validate({**(config or EngineConfig()).model_dump(), **settings})
@@ -173,7 +172,7 @@ class LocalEngine:
         self._max_context = int(model.config.max_position_embeddings)
         if max_context is not None:
             self._max_context = min(self._max_context, max_context)
-        self._split = split_steps
+        self._split = c.split_steps
         self.decoder: Decoder = self._make_decoder(fast)
         self.backend = "fast" if isinstance(self.decoder, FastDecoder) else "hf"
         self._record_routes = self.decoder.routes is not None
