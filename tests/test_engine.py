@@ -22,6 +22,7 @@ from legorl.engine import (
     token_logprobs,
 )
 from legorl.models import IM_END, ModelSpec, build_model, render_tool_call_text
+from legorl.pipeline import engine_delta
 from legorl.records import GenerationResult, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -306,3 +307,22 @@ def test_moe_model_generates_batched(tok) -> None:
     for a, b in zip(solo, together, strict=True):
         assert_same(a, b)
         assert len(a.completion_ids) == 6
+
+
+def test_stats_count_step_rows_and_busy_cpu(model, tok) -> None:
+    """The counters behind the step metrics engine/rows_per_step and engine/busy_cpu_share."""
+    ps = prompts(tok, 4)
+
+    async def go(eng: LocalEngine):
+        await eng.generate(ps[0], greedy(10))
+        alone = eng.stats()
+        await asyncio.gather(*[eng.generate(p, greedy(10)) for p in ps])
+        return alone, eng.stats()
+
+    alone, both = run_with_engine(no_stop_engine(model, tok, max_batch=4), go)
+    assert alone["step_rows"] == alone["decode_steps"] == 10  # one row, one token a step
+    assert both["step_rows"] - alone["step_rows"] == 40  # 4 rows x 10 tokens ...
+    assert both["decode_steps"] - alone["decode_steps"] < 40  # ... in shared steps
+    assert 0 < both["busy_cpu_s"] <= both["busy_s"] + 1e-3  # the worker thread's CPU within its busy wall time
+    m = engine_delta(alone, both, seconds=1.0)
+    assert m["engine/rows_per_step"] > 1 and 0 < m["engine/busy_cpu_share"] <= 1

@@ -209,8 +209,9 @@ class LocalEngine:
         return self._max_context
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start: requests, prefill tokens computed/reused, generated tokens, requests
-        cancelled by their caller (dropped while waiting or mid-generation), cache state."""
+        """Counters since start: requests, prefill tokens computed/reused, generated tokens, steps and the
+        rows they ran, requests cancelled by their caller (dropped while waiting or mid-generation), busy
+        seconds (wall, and the worker thread's CPU), cache state."""
         s: dict[str, Any] = dict(self._stats)
         for key in (
             "requests",
@@ -219,6 +220,7 @@ class LocalEngine:
             "prefill_tokens_reused",
             "generated_tokens",
             "decode_steps",
+            "step_rows",
             "cancelled",
         ):
             s.setdefault(key, 0)
@@ -340,10 +342,12 @@ class LocalEngine:
                 if update is not None:
                     self._apply_update(update)
                     continue
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with torch.inference_mode():
                     self._step(admitted)
+                # Busy wall vs this thread's CPU: the gap is time spent waiting for a core or the GIL.
                 self._stats["busy_s"] = self._stats.get("busy_s", 0.0) + time.perf_counter() - t0
+                self._stats["busy_cpu_s"] = self._stats.get("busy_cpu_s", 0.0) + time.thread_time() - c0
         except Exception:
             log.exception("engine worker died")
         finally:
@@ -488,6 +492,7 @@ class LocalEngine:
                 done.append(i)
         self._stats["generated_tokens"] += sum(live)
         self._stats["decode_steps"] += 1
+        self._stats["step_rows"] += len(rows)
         if done:
             self._leave(done)
 
