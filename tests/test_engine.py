@@ -310,7 +310,7 @@ def test_moe_model_generates_batched(tok) -> None:
 
 
 def test_stats_count_step_rows_and_busy_cpu(model, tok) -> None:
-    """The counters behind the step metrics engine/rows_per_step and engine/busy_cpu_share."""
+    """The counters behind the step metrics engine/rows_per_step, engine/busy_cpu_share and busy_runqueue_share."""
     ps = prompts(tok, 4)
 
     async def go(eng: LocalEngine):
@@ -323,6 +323,9 @@ def test_stats_count_step_rows_and_busy_cpu(model, tok) -> None:
     assert alone["step_rows"] == alone["decode_steps"] == 10  # one row, one token a step
     assert both["step_rows"] - alone["step_rows"] == 40  # 4 rows x 10 tokens ...
     assert both["decode_steps"] - alone["decode_steps"] < 40  # ... in shared steps
-    assert 0 < both["busy_cpu_s"] <= both["busy_s"] + 1e-3  # the worker thread's CPU within its busy wall time
+    # the worker thread's CPU and its wait for a core fit within its busy wall time
+    assert 0 < both["busy_cpu_s"] and 0 <= both["busy_runqueue_s"]
+    assert both["busy_cpu_s"] + both["busy_runqueue_s"] <= both["busy_s"] + 1e-3
     m = engine_delta(alone, both, seconds=1.0)
     assert m["engine/rows_per_step"] > 1 and 0 < m["engine/busy_cpu_share"] <= 1
+    assert 0 <= m["engine/busy_runqueue_share"] <= 1

@@ -593,8 +593,9 @@ def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) 
     return {
         "engine/generated_tokens_per_s": d("generated_tokens") / seconds if seconds > 0 else 0.0,
         "engine/busy_share": min(1.0, busy / seconds) if seconds > 0 else 0.0,
-        # The engine thread's CPU over its busy time: below 1 it waited for a core or for the GIL.
+        # Of the engine thread's busy time: its CPU, and waiting for a core; the rest is mostly the GIL.
         "engine/busy_cpu_share": min(1.0, d("busy_cpu_s") / busy) if busy > 0 else 0.0,
+        "engine/busy_runqueue_share": min(1.0, d("busy_runqueue_s") / busy) if busy > 0 else 0.0,
         "engine/rows_per_step": d("step_rows") / steps if steps else 0.0,
         "engine/prefill_reuse": d("prefill_tokens_reused") / prompt if prompt else 0.0,
     }

@@ -117,6 +117,17 @@ def _resolve(
         pass
 
 
+def _thread_sched() -> tuple[float, float]:
+    """This thread's CPU seconds and seconds spent runnable but waiting for a core (Linux schedstat;
+    elsewhere the CPU only)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            cpu_ns, wait_ns, _ = f.read().split()
+        return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
 class LocalEngine:
     """Engine running a transformers causal LM in a background thread (see module docstring).
 
@@ -342,12 +353,14 @@ class LocalEngine:
                 if update is not None:
                     self._apply_update(update)
                     continue
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, (c0, q0) = time.perf_counter(), _thread_sched()
                 with torch.inference_mode():
                     self._step(admitted)
-                # Busy wall vs this thread's CPU: the gap is time spent waiting for a core or the GIL.
+                # Busy wall = this thread's CPU + waiting for a core (run queue) + the rest, mostly the GIL.
+                c1, q1 = _thread_sched()
                 self._stats["busy_s"] = self._stats.get("busy_s", 0.0) + time.perf_counter() - t0
-                self._stats["busy_cpu_s"] = self._stats.get("busy_cpu_s", 0.0) + time.thread_time() - c0
+                self._stats["busy_cpu_s"] = self._stats.get("busy_cpu_s", 0.0) + c1 - c0
+                self._stats["busy_runqueue_s"] = self._stats.get("busy_runqueue_s", 0.0) + q1 - q0
         except Exception:
             log.exception("engine worker died")
         finally:
