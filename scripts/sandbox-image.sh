@@ -65,8 +65,10 @@ service() {
     if command -v runc >/dev/null; then echo 'runtime = "runc"'; fi
   } > "$conf"
   log "starting podman system service on $DOCKER_HOST (log: $CACHE/podman-service.log)"
-  CONTAINERS_CONF="$conf" setsid nohup podman system service --time=0 "$DOCKER_HOST" \
-    > "$CACHE/podman-service.log" 2>&1 < /dev/null &
+  # From /: the service outlives this checkout, and one whose working directory was removed fails
+  # every `docker run` ("getwd: no such file or directory").
+  (cd / && CONTAINERS_CONF="$conf" setsid nohup podman system service --time=0 "$DOCKER_HOST" \
+    > "$CACHE/podman-service.log" 2>&1 < /dev/null &)
   for _ in $(seq 1 150); do answers && { log "engine answers at $DOCKER_HOST"; return; }; sleep 0.2; done
   tail -n 20 "$CACHE/podman-service.log" >&2 || true
   die "podman system service did not answer at $DOCKER_HOST within 30 s"
