@@ -222,7 +222,7 @@ class LocalEngine:
     def stats(self) -> dict[str, Any]:
         """Counters since start: requests, prefill tokens computed/reused, generated tokens, steps and the
         rows they ran, requests cancelled by their caller (dropped while waiting or mid-generation), busy
-        seconds (wall, and the worker thread's CPU), cache state."""
+        seconds (wall; of them the worker thread's CPU and its wait for a core), cache state."""
         s: dict[str, Any] = dict(self._stats)
         for key in (
             "requests",
@@ -356,7 +356,7 @@ class LocalEngine:
                 t0, (c0, q0) = time.perf_counter(), _thread_sched()
                 with torch.inference_mode():
                     self._step(admitted)
-                # Busy wall = this thread's CPU + waiting for a core (run queue) + the rest, mostly the GIL.
+                # Busy wall = this thread's CPU + its wait for a core (run queue) + the rest (OpenMP barriers, the GIL).
                 c1, q1 = _thread_sched()
                 self._stats["busy_s"] = self._stats.get("busy_s", 0.0) + time.perf_counter() - t0
                 self._stats["busy_cpu_s"] = self._stats.get("busy_cpu_s", 0.0) + c1 - c0
