@@ -67,11 +67,11 @@ class EngineConfig(_Section):
         remote = self.kind in ("vllm", "sglang")
         if remote and not self.urls:
             raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server")
-        unheard = _changed(self, "max_batch", "prefix_cache_mb", "split_steps") if self.kind != "local" else []
+        local_only = ("max_batch", "prefix_cache_mb", "split_steps")
+        unheard = _changed(self, *local_only) if self.kind != "local" else []
         unheard += _changed(self, "urls", "checkpoint_dir") if not remote else []
         for key in unheard:
-            owner = "the embedded engine (engine.kind local)" if key in ("max_batch", "prefix_cache_mb",
-                                                                            "split_steps") else \
+            owner = "the embedded engine (engine.kind local)" if key in local_only else \
                 "remote servers (engine.kind vllm or sglang)"
             raise ValueError(f"engine.{key} is not honoured by engine.kind {self.kind}: it configures {owner}")
         return self

@@ -593,7 +593,7 @@ def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) 
     return {
         "engine/generated_tokens_per_s": d("generated_tokens") / seconds if seconds > 0 else 0.0,
         "engine/busy_share": min(1.0, busy / seconds) if seconds > 0 else 0.0,
-        # Of the engine thread's busy time: its CPU, and waiting for a core; the rest is mostly the GIL.
+        # Of the engine thread's busy time: its CPU, and its wait for a core; the rest: OpenMP barriers, the GIL.
         "engine/busy_cpu_share": min(1.0, d("busy_cpu_s") / busy) if busy > 0 else 0.0,
         "engine/busy_runqueue_share": min(1.0, d("busy_runqueue_s") / busy) if busy > 0 else 0.0,
         "engine/rows_per_step": d("step_rows") / steps if steps else 0.0,
