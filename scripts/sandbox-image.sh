@@ -48,11 +48,13 @@ service() {
   if answers; then log "engine answers at $DOCKER_HOST"; return; fi
   [ "$OWN_SERVICE" = 1 ] || die "no engine answers at DOCKER_HOST=$DOCKER_HOST"
   command -v podman >/dev/null || die "podman is not installed (apt-get install -y podman runc)"
-  mkdir -p "$CACHE" "$(dirname "$PODMAN_SOCK")"
+  # The service's config and log live beside its socket, not in this checkout: the service outlives it.
+  local dir; dir="$(dirname "$PODMAN_SOCK")"
+  mkdir -p "$dir"
   # Our own containers.conf for this service only: runc (crun refuses hybrid cgroup v1/v2 hosts) and
   # default ulimits within this host's hard limits (podman's defaults exceed them where the driver lacks
   # CAP_SYS_RESOURCE, and the container would not start).
-  local conf="$CACHE/containers.conf" nofile nproc ulimits=""
+  local conf="$dir/legorl-containers.conf" nofile nproc ulimits=""
   nofile="$(ulimit -Hn)"; nproc="$(ulimit -Hu)"
   [ "$nofile" != unlimited ] && ulimits="\"nofile=$nofile:$nofile\""
   [ "$nproc" != unlimited ] && ulimits="$ulimits${ulimits:+, }\"nproc=$nproc:$nproc\""
@@ -64,13 +66,12 @@ service() {
     echo 'cgroup_manager = "cgroupfs"'
     if command -v runc >/dev/null; then echo 'runtime = "runc"'; fi
   } > "$conf"
-  log "starting podman system service on $DOCKER_HOST (log: $CACHE/podman-service.log)"
-  # From /: the service outlives this checkout, and one whose working directory was removed fails
-  # every `docker run` ("getwd: no such file or directory").
+  log "starting podman system service on $DOCKER_HOST (log: $dir/legorl-service.log)"
+  # From /: a service whose working directory was removed fails every `docker run` ("getwd: ...").
   (cd / && CONTAINERS_CONF="$conf" setsid nohup podman system service --time=0 "$DOCKER_HOST" \
-    > "$CACHE/podman-service.log" 2>&1 < /dev/null &)
+    > "$dir/legorl-service.log" 2>&1 < /dev/null &)
   for _ in $(seq 1 150); do answers && { log "engine answers at $DOCKER_HOST"; return; }; sleep 0.2; done
-  tail -n 20 "$CACHE/podman-service.log" >&2 || true
+  tail -n 20 "$dir/legorl-service.log" >&2 || true
   die "podman system service did not answer at $DOCKER_HOST within 30 s"
 }
 
