@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -143,6 +145,26 @@ def test_mini_batches_keep_rollouts_whole() -> None:
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3]
     assert any({0, 1} <= set(b) for b in bins)
     assert len(mini_batches(seqs, 10)) == 3  # never more bins than rollouts
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_zero_advantage_sequences_are_not_forwarded_and_the_gradient_is_unchanged(agg: str) -> None:
+    """Reward-0 rollouts under reinforce: counted in the loss's mean, never forwarded (no KL/entropy term)."""
+    model = tiny_model()
+    advs = [1.0, 0.0, 0.5, 0.0, 0.0]
+    seqs = sampled(model, advs, noise=0.02)
+    # The same batch with the zeros a hair above zero: every sequence forwarded, the same maths to ~1e-30
+    forwarded = [dataclasses.replace(s, advantage=s.advantage or 1e-30) for s in seqs]
+    tr = Trainer(copy.deepcopy(model), lr=1e-3, temperature=TEMP, loss_agg=agg)
+    ref = Trainer(copy.deepcopy(model), lr=1e-3, temperature=TEMP, loss_agg=agg)
+    g, g_ref = grads_of(tr, seqs), grads_of(ref, forwarded)
+    assert g.abs().max() > 1e-4
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-7)
+    assert tr.train_step(seqs)["train/zero_advantage_skipped"] == 3.0
+    assert ref.train_step(forwarded)["train/zero_advantage_skipped"] == 0.0
+    # A KL term gives every sequence a gradient: all are forwarded
+    assert Trainer(copy.deepcopy(model), lr=1e-3, temperature=TEMP, kl_coef=0.1).train_step(
+        seqs)["train/zero_advantage_skipped"] == 0.0
 
 
 # ---- KL, entropy ------------------------------------------------------------------------------

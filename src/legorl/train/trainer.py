@@ -169,14 +169,20 @@ class Trainer:
         n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
         signal = any(s.advantage != 0.0 for s in sequences) or self.kl_coef or self.entropy_coef
         skip = n_loss == 0 or not signal
-        plan = [self._micro_plan(sequences, idx) for idx in mini_batches(sequences, self.mini_batches)]
-        n_updates = self.ppo_epochs * len(plan)
+        minis = mini_batches(sequences, self.mini_batches)
+        n_updates = self.ppo_epochs * len(minis)
         st = _Step(decoupled=n_updates > 1 or self._rejects())
+        # Without a KL or entropy term a zero-advantage sequence's gradient is exactly 0 (its
+        # surrogate is ratio * 0): in the one-update case it counts in the loss's mean but is never
+        # forwarded. Under reinforce that is every failed rollout, most of a step.
+        idle = set() if st.decoupled or skip or self.kl_coef or self.entropy_coef else {
+            i for i, s in enumerate(sequences) if s.advantage == 0.0}
+        plan = [self._micro_plan(sequences, [i for i in idx if i not in idle]) for idx in minis]
         if st.decoupled or skip:  # old logprobs and IS corrections, before any update
             for micros in plan:
                 for mb in micros:
                     self._old_pass(mb, st)
-        weights = self._weights(sequences, plan, st if (st.decoupled or skip) else None)
+        weights = self._weights(sequences, minis, plan, st if (st.decoupled or skip) else None)
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             metrics = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/skipped": 1.0, "train/updates": 0.0}
@@ -230,6 +236,7 @@ class Trainer:
             "train/skipped": 0.0 if n_ok else 1.0,
             "train/nonfinite_grad": float(n_updates - n_ok),
             "train/updates": float(n_ok),
+            "train/zero_advantage_skipped": float(len(idle)),
         }
         return {**metrics, **self._step_metrics(sequences, st, n_loss)}
 
@@ -409,20 +416,17 @@ class Trainer:
         return sequence_weights(counts, [s.rollout_id for s in seqs], self._agg)
 
     def _weights(
-        self, seqs: list[TrainingSequence], plan: list[list[Micro]], st: _Step | None
+        self, seqs: list[TrainingSequence], minis: list[list[int]], plan: list[list[Micro]], st: _Step | None
     ) -> list[float]:
-        """Per-sequence loss weights per mini-batch; from the kept (not rejected) tokens when known."""
+        """Per-sequence loss weights per mini-batch (every sequence of it, forwarded or not); from the
+        kept (not rejected) tokens when known (then ``plan`` forwarded every sequence)."""
+        kept = None if st is None else {
+            i: int(st.corrections[id(mb)].keep[r].sum()) for micros in plan for mb in micros
+            for r, i in enumerate(mb.index)
+        }
         weights = [0.0] * len(seqs)
-        for micros in plan:
-            idx = [i for mb in micros for i in mb.index]
-            counts = None
-            if st is not None:
-                kept = {
-                    i: int(st.corrections[id(mb)].keep[r].sum())
-                    for mb in micros
-                    for r, i in enumerate(mb.index)
-                }
-                counts = [kept[i] for i in idx]
+        for idx in minis:
+            counts = None if kept is None else [kept[i] for i in idx]
             for i, w in zip(idx, self._sequence_weights([seqs[i] for i in idx], counts)):
                 weights[i] = w
         return weights
