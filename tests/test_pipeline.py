@@ -35,6 +35,9 @@ def test_every_stage_produced_records(toy_run):
     run_dir, _ = toy_run
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["steps"] == 1 and on_disk["wall_time_s"] > 0
+    phases = on_disk["phase_times_s"]  # where the wall time went
+    assert list(phases) == ["demonstrations", "sft", "eval_before_rl", "rl", "eval_after_rl"]
+    assert all(t > 0 for t in phases.values()) and sum(phases.values()) <= on_disk["wall_time_s"]
     assert on_disk["sft"]["sft/demos_resolved"] == 2  # the teacher solved both through mini-swe-agent
     # 1.5 epochs of 2 sequences in batches of 1 are 3 updates; cosine over them, the last at 1/4 of the lr
     assert on_disk["sft"]["sft/slips"] == 2  # the slipped turns were left out of the loss

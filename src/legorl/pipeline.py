@@ -501,20 +501,33 @@ class Driver:
         def save() -> None:
             path.write_text(json.dumps(summary, indent=2))
 
+        phase_times: dict[str, float] = summary.setdefault("phase_times_s", {})  # added to when resumed
+
+        @contextlib.contextmanager
+        def phase(name: str) -> Iterator[None]:
+            t = time.time()
+            yield
+            phase_times[name] = phase_times.get(name, 0.0) + time.time() - t
+
         if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
-            demos = await self.collect_demos(self.cfg.sft.demos)
-            summary["sft"] = await self.sft(demos)
-            await asyncio.to_thread(self.save_checkpoint, "sft")
+            with phase("demonstrations"):
+                demos = await self.collect_demos(self.cfg.sft.demos)
+            with phase("sft"):
+                summary["sft"] = await self.sft(demos)
+                await asyncio.to_thread(self.save_checkpoint, "sft")
             save()
             console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
                           f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
         if self.cfg.eval.before_training and "before_rl" not in summary:
-            summary["before_rl"] = await self.evaluate(step=-1)
+            with phase("eval_before_rl"):
+                summary["before_rl"] = await self.evaluate(step=-1)
             save()
             console.print(eval_line("before RL", summary["before_rl"]), markup=False)
-        await self.train()
+        with phase("rl"):
+            await self.train()
         if self.cfg.eval.after_training:
-            summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
+            with phase("eval_after_rl"):
+                summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
             console.print(eval_line("after RL", summary["after_rl"]), markup=False)
         key = f"eval/{self.cfg.eval.split}/pass_at_1"
         summary.update({
