@@ -167,6 +167,10 @@ def test_no_network_but_relay_reaches_proxy_socket(tmp_path: Path, box_cfg: Sand
             probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3); print('CONNECTED')"
             r = await box.exec(f'python3 -c "{probe}" 2>&1 | tail -n 1')
             assert "CONNECTED" not in r.output and "Error" in r.output
+            # A name lookup fails at once (Codex's musl resolver otherwise waits 5 s a lookup at its exit)
+            r = await box.exec("grep -c '^options timeout:0 attempts:1' /etc/resolv.conf; python3 -c \"import socket\n"
+                               "try: socket.getaddrinfo('example.com', 443)\nexcept socket.gaierror: print('no name')\"")
+            assert r.output.split() == ["1", "no", "name"], r.output
             fetch = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:18123/v1/models').read().decode())"
             r = await box.exec(f'python3 -c "{fetch}"', timeout=20)
             assert r.output.strip() == "hello from proxy /v1/models", r.output

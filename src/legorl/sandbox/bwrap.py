@@ -50,6 +50,7 @@ from legorl.sandbox.spawn import Spawned, spawn
 __all__ = ["BwrapSandbox", "bwrap_argv", "kill_tree", "process_tree", "reap_orphans", "sandbox_ids"]
 
 AGENT_SCRIPT = Path(__file__).with_name("sandbox_agent.py")
+RESOLV_CONF = Path(__file__).with_name("resolv.conf")  # bound over /etc/resolv.conf: lookups fail fast
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_CTL = "/run/legorl"
 INSIDE_AGENT = "/run/legorl-agent/sandbox_agent.py"
@@ -172,6 +173,9 @@ def bwrap_argv(
             argv += ["--ro-bind", str(host), str(host)]
     if not any(p == Path("/var") or Path("/var") in p.parents for p in shown):
         argv += ["--symlink", "/tmp", "/var/tmp"]
+    resolv = Path("/etc/resolv.conf")
+    if Path("/etc") in shown and resolv.is_file() and not resolv.is_symlink():
+        argv += ["--ro-bind", str(RESOLV_CONF), "/etc/resolv.conf"]
     if passwd_dir is not None:
         argv += ["--ro-bind", str(passwd_dir / "passwd"), "/etc/passwd"]
         argv += ["--ro-bind", str(passwd_dir / "group"), "/etc/group"]

@@ -38,6 +38,7 @@ from legorl.sandbox.bwrap import (
     INSIDE_AGENT,
     INSIDE_CTL,
     PROXY_SOCKET_INSIDE,
+    RESOLV_CONF,
     SANDBOX_ENV,
     sandbox_ids,
 )
@@ -144,7 +145,8 @@ def docker_run_argv(
     tmp = f"rw,nosuid,nodev,mode=1777{f',size={limits.tmp_mb}m' if limits.tmp_mb else ''}"
     argv += ["--tmpfs", f"/tmp:{tmp}", "--tmpfs", f"/dev/shm:{tmp}"]
     argv += ["-v", f"{workspace}:{inside_workspace}:rw", "-v", f"{ctl_dir}:{INSIDE_CTL}:rw",
-             "-v", f"{AGENT_SCRIPT}:{INSIDE_AGENT}:ro"]  # fmt: skip
+             "-v", f"{AGENT_SCRIPT}:{INSIDE_AGENT}:ro",
+             "-v", f"{RESOLV_CONF}:/etc/resolv.conf:ro"]  # no network: a lookup fails at once  # fmt: skip
     if proxy_socket is not None:
         argv += ["-v", f"{proxy_socket}:{PROXY_SOCKET_INSIDE}"]
     for inside, host in (ro_binds or {}).items():
