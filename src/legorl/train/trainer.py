@@ -174,9 +174,10 @@ class Trainer:
         st = _Step(decoupled=n_updates > 1 or self._rejects())
         # Without a KL or entropy term a zero-advantage sequence's gradient is exactly 0 (its
         # surrogate is ratio * 0): in the one-update case it counts in the loss's mean but is never
-        # forwarded. Under reinforce that is every failed rollout, most of a step.
-        idle = set() if st.decoupled or skip or self.kl_coef or self.entropy_coef else {
-            i for i, s in enumerate(sequences) if s.advantage == 0.0}
+        # forwarded. Under reinforce that is every failed rollout, most of a step. (Not when sharded:
+        # every rank must run the same forwards.)
+        keep_all = st.decoupled or skip or self.kl_coef or self.entropy_coef or dist.is_sharded(self.model)
+        idle = set() if keep_all else {i for i, s in enumerate(sequences) if s.advantage == 0.0}
         plan = [self._micro_plan(sequences, [i for i in idx if i not in idle]) for idx in minis]
         if st.decoupled or skip:  # old logprobs and IS corrections, before any update
             for micros in plan:
