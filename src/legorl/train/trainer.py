@@ -177,8 +177,8 @@ class Trainer:
         # forwarded. Under reinforce that is every failed rollout, most of a step. (Not when sharded:
         # every rank must run the same forwards.)
         keep_all = st.decoupled or skip or self.kl_coef or self.entropy_coef or dist.is_sharded(self.model)
-        idle = set() if keep_all else {i for i, s in enumerate(sequences) if s.advantage == 0.0}
-        plan = [self._micro_plan(sequences, [i for i in idx if i not in idle]) for idx in minis]
+        unforwarded = set() if keep_all else {i for i, s in enumerate(sequences) if s.advantage == 0.0}
+        plan = [self._micro_plan(sequences, [i for i in idx if i not in unforwarded]) for idx in minis]
         if st.decoupled or skip:  # old logprobs and IS corrections, before any update
             for micros in plan:
                 for mb in micros:
@@ -237,7 +237,7 @@ class Trainer:
             "train/skipped": 0.0 if n_ok else 1.0,
             "train/nonfinite_grad": float(n_updates - n_ok),
             "train/updates": float(n_ok),
-            "train/zero_advantage_skipped": float(len(idle)),
+            "train/zero_advantage_skipped": float(len(unforwarded)),
         }
         return {**metrics, **self._step_metrics(sequences, st, n_loss)}
 
