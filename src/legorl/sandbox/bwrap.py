@@ -173,9 +173,10 @@ def bwrap_argv(
             argv += ["--ro-bind", str(host), str(host)]
     if not any(p == Path("/var") or Path("/var") in p.parents for p in shown):
         argv += ["--symlink", "/tmp", "/var/tmp"]
-    resolv = Path("/etc/resolv.conf")
-    if Path("/etc") in shown and resolv.is_file() and not resolv.is_symlink():
-        argv += ["--ro-bind", str(RESOLV_CONF), "/etc/resolv.conf"]
+    # Over the file the host's /etc/resolv.conf resolves to (systemd-resolved's is a symlink into /run)
+    resolv = Path(os.path.realpath("/etc/resolv.conf"))
+    if Path("/etc") in shown and resolv.is_file():
+        argv += [*parents(str(resolv)), "--ro-bind", str(RESOLV_CONF), str(resolv)]
     if passwd_dir is not None:
         argv += ["--ro-bind", str(passwd_dir / "passwd"), "/etc/passwd"]
         argv += ["--ro-bind", str(passwd_dir / "group"), "/etc/group"]
