@@ -191,14 +191,11 @@ def test_policy_config_files_shadowing_and_task_globs() -> None:
 
 
 def test_tamper_scan_flags_runner_hooks_unless_already_there() -> None:
-    hook = (
-        "diff --git a/pkg/m.py b/pkg/m.py\n--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1 +1,3 @@\n x = 1\n"
-        "+import _pytest.runner\n+open('/logs/verifier/reward.txt', 'w')\n"
-    )
-    findings = scan(hook, lambda p: "x = 1\n")
+    patched = {"pkg/m.py": "x = 1\nimport _pytest.runner\nopen('/logs/verifier/reward.txt', 'w')\n"}
+    findings = scan(patched, lambda p: "x = 1\n")
     assert findings == ["pkg/m.py adds '_pytest'", "pkg/m.py adds '/logs/verifier'", "pkg/m.py adds 'reward.txt'"]
-    assert scan(hook, lambda p: "import _pytest\n# /logs/verifier/reward.txt\n") == []  # pytest's own sources
-    assert scan(_new("pkg/clean.py"), lambda p: None) == []
+    assert scan(patched, lambda p: "import _pytest\n# /logs/verifier/reward.txt\n") == []  # pytest's own sources
+    assert scan({"pkg/clean.py": "def f():\n    return 1\n"}, lambda p: None) == []
 
 
 def _events(*reports: tuple[str, str, str], collected=None, exitstatus=0, extra=()) -> StreamedRun:

@@ -86,7 +86,7 @@ def test_prepare_repo_one_orphan_commit_deterministic(tmp_path: Path) -> None:
 def test_an_episodes_cached_copy_is_what_prepare_repo_writes(tmp_path: Path) -> None:
     # Episodes take their workspace from the pristine cache (grading/pool.py): the same files, the same one
     # orphan commit, a clean work tree, and a private copy each (one episode's edits never reach the next).
-    from legorl.grading.pool import PristineCache
+    from legorl.tasks.pristine import PristineCache
     from legorl.tasks.repo import assert_clean_history
 
     task = generate_tasks(None, 1, seed=3, split="train")[0]

@@ -31,11 +31,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from legorl.config import SandboxConfig
+from legorl.grading import effect
 from legorl.grading.junit import parse_junit_text, to_junit_xml
-from legorl.grading.policy import FilteredDiff, filter_diff_detailed, patch_paths
+from legorl.grading.policy import MAX_PATCH_BYTES, FilteredDiff, filter_diff_detailed, patch_paths
 from legorl.grading.pool import (
     HOST_DIR,
-    PRISTINE,
     Member,
     current_pool,
     fallback_reason,
@@ -43,7 +43,7 @@ from legorl.grading.pool import (
     member_limits,
     pytest_args,
 )
-from legorl.grading.stream import PLUGIN_MODULE, SOCKET_NAME, ResultServer, StreamedRun
+from legorl.grading.stream import EMPTY_CONFIG, PLUGIN_MODULE, SOCKET_NAME, ResultServer, StreamedRun
 from legorl.grading.tamper import scan
 from legorl.grading.verdict import decide
 from legorl.records import GraderReport, Outcome
@@ -52,7 +52,7 @@ from legorl.sandbox.bwrap import INSIDE_CTL
 from legorl.sandbox.client import ExecResult
 from legorl.sandbox.factory import ENV_INSIDE, create_sandbox
 from legorl.sandbox.limits import SandboxLimits
-from legorl.tasks.repo import prepare_repo
+from legorl.tasks.pristine import PRISTINE, Pristine
 from legorl.tasks.schema import Task
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,32 @@ def test_files(task: Task) -> list[str]:
     return files
 
 
-def _base_paths(repo: Path) -> set[str]:
-    out = set()
-    for dirpath, dirnames, filenames in os.walk(repo):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        rel = os.path.relpath(dirpath, repo)
-        for name in (*dirnames, *filenames):
-            out.add(name if rel == "." else f"{rel}/{name}")
-    return out
+@functools.lru_cache(maxsize=1024)
+def pristine_config(repo: Path, files: tuple[str, ...]) -> str | None:
+    """The config file pytest's own discovery picks for ``files`` on the pristine tree ``repo`` (relative to
+    it; None: none there). The grading run reads that file (``-c``): whatever config files of other names
+    the patch adds, they are never read."""
+    from _pytest.config.findpaths import locate_config  # the runner's rules, not a copy of them
+
+    args = [repo / f for f in files] or [repo]
+    try:
+        found = locate_config(repo, args)  # pytest >= 8.1
+    except TypeError:
+        found = locate_config(args)  # type: ignore[call-arg]
+    inipath = found[1]
+    if inipath is None or repo.resolve() not in Path(inipath).resolve().parents:
+        return None
+    return Path(inipath).resolve().relative_to(repo.resolve()).as_posix()
+
+
+def config_args(task: Task, pristine: Pristine) -> list[str]:
+    """The grading run's config: the pristine repository's (restored, agents cannot change it) or an empty
+    one of the verifier's. Tests mounted from ``tests_dir`` sit outside the repository: no repo config is
+    on pytest's search path there."""
+    if task.tests_dir:
+        return []
+    rel = pristine_config(pristine.path, tuple(test_files(task)))
+    return ["-c", f"{task.workdir}/{rel}" if rel else f"{VERIFIER_INSIDE}/{EMPTY_CONFIG}"]
 
 
 def _pristine_reader(repo: Path):
@@ -213,14 +231,15 @@ def _set_extra(report: GraderReport, **values: Any) -> None:
 
 
 def _write_artifacts(
-    artifacts_dir: Path | None, report: GraderReport, filtered: FilteredDiff | None, junit_xml: str
+    artifacts_dir: Path | None, report: GraderReport, filtered: FilteredDiff | None, junit_xml: str,
+    drop_reasons: dict[str, str],
 ) -> None:
     if artifacts_dir is None:
         return
     artifacts_dir.mkdir(parents=True, exist_ok=True)
     d = report.to_dict()
     if filtered is not None:
-        d.update(applied_diff=filtered.kept, dropped_diff=filtered.dropped, drop_reasons=filtered.reasons)
+        d.update(applied_diff=filtered.kept, dropped_diff=filtered.dropped, drop_reasons=drop_reasons)
     (artifacts_dir / "report.json").write_text(json.dumps(d, indent=2))
     if junit_xml:
         (artifacts_dir / "junit.xml").write_text(junit_xml)
@@ -273,7 +292,7 @@ async def grade(
         g.report.resolved = g.report.outcome == Outcome.RESOLVED
         if g.box is not None:
             await g.box.close()
-        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml)
+        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml, g.drop_reasons)
         if not keep:
             shutil.rmtree(g.work, ignore_errors=True)
     return g.report
@@ -305,9 +324,9 @@ async def _grade_pooled(
     g = _Grading(task, member.root, sandbox)
     g.box, reusable, slot = member.box, False, None
     try:
-        slot, g.ws, pristine = await asyncio.to_thread(member.new_slot, task)
+        slot, g.ws, g.pristine = await asyncio.to_thread(member.new_slot, task)
         g.repo = slot
-        g.filter_diff(diff, set(pristine.base_paths))
+        await g.filter_diff(diff)
         await g.apply_agent_patch()
         await g.install_hidden_tests(pristine.base)
         async with ResultServer(shared=member.verifier) as results:
@@ -325,7 +344,7 @@ async def _grade_pooled(
         pool.release(kind, member, reusable)
         if slot is not None:
             await asyncio.to_thread(shutil.rmtree, slot, True)
-        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml)
+        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml, g.drop_reasons)
     return g.report
 
 
@@ -363,6 +382,8 @@ class _Grading:
         self.hidden_removed = False  # the hidden tests' paths already cleared (with the agent's patch)
         self.report = GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR)
         self.filtered: FilteredDiff | None = None
+        self.pristine: Pristine | None = None
+        self.drop_reasons: dict[str, str] = {}  # every path the grader did not apply, and why
         self.junit_xml = ""
 
     def _finish(self, outcome: Outcome, reason: str, log_tail: str | None = None, missing: bool = False) -> _Stop:
@@ -375,23 +396,30 @@ class _Grading:
         return _Stop()
 
     async def pristine_sources(self, diff: str) -> str:
-        """A fresh copy of the task repo, and the part of ``diff`` the grader applies (the source
-        part; a diff that reaches into the test runner is refused). Returns the base commit."""
-        base = await asyncio.to_thread(prepare_repo, self.task, self.repo)
-        self.filter_diff(diff, _base_paths(self.repo))
-        return base
+        """A fresh copy of the task repo, and the part of ``diff`` the grader applies. Returns the base commit."""
+        self.pristine = await asyncio.to_thread(PRISTINE.copy, self.task, self.repo)
+        await self.filter_diff(diff)
+        return self.pristine.base
 
-    def filter_diff(self, diff: str, base_paths: set[str]) -> None:
-        """The part of ``diff`` the grader applies; _Stop when it reaches into the test runner."""
-        task, report = self.task, self.report
-        self.filtered = filtered = filter_diff_detailed(
-            diff, protected=hidden_paths(task) | set(task.protected_paths), base_paths=base_paths
-        )
-        report.applied_paths, report.dropped_paths = filtered.applied_paths, filtered.dropped_paths
-        _set_extra(report, applied_diff=filtered.kept, dropped_diff=filtered.dropped)
-        if findings := scan(filtered.kept, _pristine_reader(self.repo)):
-            reason = "diff reaches into the test runner or verdict: " + "; ".join(findings[:5])
+    def _protected(self) -> set[str]:
+        return hidden_paths(self.task) | set(self.task.protected_paths)
+
+    async def filter_diff(self, diff: str) -> None:
+        """The file sections of ``diff`` the grader applies (policy.py); _Stop for a patch over the size limit."""
+        size = len(diff.encode("utf-8", errors="replace"))
+        if size > MAX_PATCH_BYTES:
+            reason = f"patch too large: {size} bytes, over the {MAX_PATCH_BYTES}-byte limit; not applied"
             raise self._finish(Outcome.UNRESOLVED, reason, missing=True)
+        assert self.pristine is not None
+        self.filtered = filtered = await asyncio.to_thread(
+            filter_diff_detailed, diff, protected=self._protected(), base_paths=self.pristine.base_paths
+        )
+        self._report_paths(filtered.applied_paths, filtered.reasons)
+        _set_extra(self.report, applied_diff=filtered.kept, dropped_diff=filtered.dropped)
+
+    def _report_paths(self, applied: list[str], dropped: dict[str, str]) -> None:
+        self.drop_reasons.update(dropped)
+        self.report.applied_paths, self.report.dropped_paths = sorted(applied), sorted(self.drop_reasons)
 
     async def start_sandbox(
         self, results: ResultServer, limits: SandboxLimits, hide_paths: Sequence[Path], label: str | None
@@ -425,10 +453,12 @@ class _Grading:
             raise self._finish(Outcome.GRADER_ERROR, f"task setup failed (exit {r.returncode})", r.output[-LOG_TAIL:])
 
     async def apply_agent_patch(self) -> None:
-        """Strict apply, no fuzz: a patch applied somewhere it was not meant to go is worse than none."""
-        assert self.box is not None and self.filtered is not None
+        """Strict apply, no fuzz (a patch applied somewhere it was not meant to go is worse than none), then
+        the patch judged by its effect on the tree (effect.py): what the policy refuses is put back."""
+        assert self.box is not None and self.filtered is not None and self.pristine is not None
         if not self.filtered.kept.strip():
             return
+        before = await asyncio.to_thread(effect.snapshot, self.repo)
         await self.box.write_file("/tmp/agent.patch", self.filtered.kept)
         command = f"{GIT} apply --whitespace=nowarn --binary /tmp/agent.patch"
         if hidden := [] if self.task.tests_dir else list(self.task.hidden_files):
@@ -440,6 +470,13 @@ class _Grading:
         if r.returncode != 0:
             reason = "patch did not apply (git apply, no fuzz)"
             raise self._finish(Outcome.UNRESOLVED, reason, r.output[-LOG_TAIL:], missing=True)
+        done = await asyncio.to_thread(
+            effect.judge, self.repo, before, self.pristine.path, self._protected(), self.pristine.base_paths
+        )
+        self._report_paths(done.applied, done.dropped)
+        if findings := scan(done.new_text, _pristine_reader(self.pristine.path)):
+            reason = "patch reaches into the test runner or verdict: " + "; ".join(findings[:5])
+            raise self._finish(Outcome.UNRESOLVED, reason, missing=True)
 
     async def install_hidden_tests(self, base: str) -> None:
         """In-workspace hidden tests written last, then protected from the code under test."""
@@ -456,7 +493,8 @@ class _Grading:
         task = self.task
         junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
         rootdir = task.tests_dir or task.workdir
-        args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--rootdir={rootdir}",
+        assert self.pristine is not None
+        args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *config_args(task, self.pristine), f"--rootdir={rootdir}",
                 f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
         cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
         env = {**GRADER_ENV, "PYTHONPATH": f"{VERIFIER_INSIDE}:{ENV_INSIDE}"} if task.environment else GRADER_ENV
@@ -478,8 +516,9 @@ class _Grading:
         namespaces of its own; everything it started is gone when this returns."""
         task = self.task
         junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
+        assert self.pristine is not None
         args = [*(pytest_args(task.test_command) or []), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
-                f"--rootdir={task.workdir}", f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
+                *config_args(task, self.pristine), f"--rootdir={task.workdir}", f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
         socket_inside = f"{VERIFIER_INSIDE}/{results.name}/{SOCKET_NAME}"
         cover = [INSIDE_CTL, f"{VERIFIER_INSIDE}/{HOST_DIR}"]
         assert self.ws is not None
@@ -503,6 +542,9 @@ class _Grading:
         verdict = decide(run, self.task.test_ids, exit_code=r.returncode, timed_out=r.timed_out,
                          junit=tests.junit, junit_error=tests.junit_error)  # fmt: skip
         report.outcome, report.reason, report.tests = verdict.outcome, verdict.reason, verdict.tests
+        if not verdict.resolved and self.drop_reasons:
+            dropped = "; ".join(f"{p}: {why}" for p, why in sorted(self.drop_reasons.items())[:5])
+            report.reason += f" (not applied from the patch: {dropped})"
         report.resolved = verdict.resolved
         report.collected = len(run.collected or [])
         self.junit_xml = to_junit_xml(run.statuses(), details=run.longrepr)

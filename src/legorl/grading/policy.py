@@ -25,10 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 TEST_DIRS = {"tests", "test", "testing"}
+# Every file name pytest reads its configuration from (``_pytest.config.findpaths.locate_config``, in the order
+# it tries them; tests/test_grading_policy.py fails when an installed pytest knows a name that is not here).
+PYTEST_CONFIG_FILES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini",
+                       "setup.cfg")  # fmt: skip
 TEST_FILE_GLOBS = (
-    "test_*.py", "*_test.py", "conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
-    "pyproject.toml", "sitecustomize.py", "usercustomize.py", "*.pth", "*.pyc", "*.pyo", "noxfile.py",
-    ".coveragerc",
+    *PYTEST_CONFIG_FILES, "test_*.py", "*_test.py", "conftest.py", "sitecustomize.py", "usercustomize.py", "*.pth",
+    "*.pyc", "*.pyo", "noxfile.py", ".coveragerc",
 )  # fmt: skip
 # Modules the test run imports besides the stdlib; a repo-root file with one of these names would replace it.
 RUNNER_MODULES = frozenset(
@@ -36,9 +39,21 @@ RUNNER_MODULES = frozenset(
      "colorama", "legorl_verifier", "_virtualenv", "__editable__", "typing_extensions"}
 )  # fmt: skip
 SHADOWABLE = RUNNER_MODULES | frozenset(sys.stdlib_module_names)
+MAX_PATCH_BYTES = 2_000_000  # a larger patch is refused as such (grader.py), never cut
 _HEADER = re.compile(r"^diff --git (?P<a>\"(?:[^\"\\]|\\.)*\"|\S+) (?P<b>\"(?:[^\"\\]|\\.)*\"|\S+)$")
-_MODE = re.compile(r"^(new file mode|new mode|old mode|deleted file mode|index \S+) (120000|160000)")
+_HUNK = re.compile(r"^@@ -\d+(?:,(?P<old>\d+))? \+\d+(?:,(?P<new>\d+))? @@")
+# git reads a mode with strtoul(base 8): any spelling of the number counts (`0120000`, `120777`, extra spaces).
+_MODE = re.compile(r"^(?:new file mode|new mode|old mode|deleted file mode|index \S+)\s+(?P<mode>\S+)")
 _PATH_LINES = ("--- ", "+++ ", "rename from ", "rename to ", "copy from ", "copy to ")
+
+
+def is_link_mode(spelling: str) -> bool:
+    """True for a mode git would read as a symlink or submodule (or cannot read at all)."""
+    try:
+        mode = int(spelling, 8)
+    except ValueError:
+        return True  # git refuses it or reads it some other way: never apply it
+    return mode & 0o170000 in (0o120000, 0o160000)
 
 
 def is_test_path(path: str, extra: frozenset[str] | set[str] = frozenset()) -> bool:
@@ -76,29 +91,50 @@ def _clean(raw: str) -> str | None:
 
 @dataclass
 class FileSection:
-    text: str
+    lines: list[str] = field(default_factory=list)
     paths: set[str] = field(default_factory=set)
     symlink_or_submodule: bool = False
+    has_old_name: bool = False  # its `--- ` line is read: a next `--- `/`+++ ` pair starts another file
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 def split_diff(diff: str) -> list[FileSection]:
-    """Split a (git or plain unified) diff into one section per file."""
+    """Split a diff into one section per file, as `git apply` reads it: git sections (`diff --git`) and
+    traditional ones (`--- `/`+++ `) mixed in one patch, a hunk's extent from its line counts (so a header
+    after a hunk starts a new file even without `diff --git`), binary data skipped. Linear in the size."""
     lines = diff.splitlines(keepends=True)
-    git_style = any(line.startswith("diff --git ") for line in lines)
     sections: list[FileSection] = []
-    in_hunk = False  # path-like lines inside hunks are content, not headers
+    old = new = 0  # lines left in the current hunk
+    binary = False  # inside GIT binary patch data (base85 lines never start with `-` or `diff `)
     for i, line in enumerate(lines):
-        starts = line.startswith("diff --git ") if git_style else (
-            line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")
-        )  # fmt: skip
-        if starts or not sections:
-            sections.append(FileSection(""))
-            in_hunk = False
+        if old > 0 or new > 0:
+            tag = line[:1]
+            if tag in (" ", "-", "+", "\\", "\n"):  # git reads a bare newline as an empty context line
+                sec = sections[-1]
+                sec.lines.append(line)
+                if tag in (" ", "\n", "-"):
+                    old -= 1
+                if tag in (" ", "\n", "+"):
+                    new -= 1
+                continue
+            old = new = 0  # git calls the patch corrupt (it will not apply): read on as headers
+        traditional = line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")
+        if line.startswith("diff --git ") or not sections or (
+            traditional and (sections[-1].has_old_name or binary)
+        ):
+            sections.append(FileSection())
+            binary = False
         sec = sections[-1]
-        sec.text += line
-        if line.startswith(("@@", "GIT binary patch")):
-            in_hunk = True
-        elif in_hunk:
+        sec.lines.append(line)
+        if m := _HUNK.match(line):
+            old, new = int(m["old"] or 1), int(m["new"] or 1)
+            sec.has_old_name = True  # a hunk ends the headers, as a read `--- ` line does
+        elif line.startswith("GIT binary patch"):
+            binary = sec.has_old_name = True
+        elif binary:
             continue
         elif m := _HEADER.match(line.rstrip("\n")):
             sec.paths.update(p for p in (_clean(m["a"]), _clean(m["b"])) if p)
@@ -106,8 +142,9 @@ def split_diff(diff: str) -> list[FileSection]:
             prefix = next(x for x in _PATH_LINES if line.startswith(x))
             if (p := _clean(line[len(prefix) :])) is not None:
                 sec.paths.add(p)
-        elif _MODE.match(line):
-            sec.symlink_or_submodule = True
+            sec.has_old_name = sec.has_old_name or prefix == "+++ "
+        elif m := _MODE.match(line):
+            sec.symlink_or_submodule = sec.symlink_or_submodule or is_link_mode(m["mode"].split(",")[0])
     return [s for s in sections if s.text.strip()]
 
 
@@ -120,19 +157,25 @@ class FilteredDiff:
     reasons: dict[str, str]  # dropped path -> why
 
 
+def path_reason(
+    path: str, protected: set[str] | frozenset[str], base_paths: set[str] | frozenset[str] | None
+) -> str:
+    """Why the grader never applies a change to ``path`` ("" when it does)."""
+    if path in protected or any(fnmatch.fnmatch(path, g) for g in protected if any(c in g for c in "*?[")):
+        return "protected by the task"
+    if is_test_path(path):
+        return "test or test-infrastructure path"
+    if shadows_runner(path, base_paths):
+        return "shadows a standard-library or test-runner module"
+    return ""
+
+
 def drop_reason(
     sec: FileSection, protected: set[str] | frozenset[str], base_paths: set[str] | frozenset[str] | None
 ) -> str:
     if sec.symlink_or_submodule:
         return "symlink or submodule"
-    for p in sorted(sec.paths):
-        if p in protected or any(fnmatch.fnmatch(p, g) for g in protected if any(c in g for c in "*?[")):
-            return "protected by the task"
-        if is_test_path(p):
-            return "test or test-infrastructure path"
-        if shadows_runner(p, base_paths):
-            return "shadows a standard-library or test-runner module"
-    return ""
+    return next((why for p in sorted(sec.paths) if (why := path_reason(p, protected, base_paths))), "")
 
 
 def filter_diff_detailed(
@@ -171,19 +214,3 @@ def filter_diff(
 
 def patch_paths(diff: str) -> set[str]:
     return {p for sec in split_diff(diff) for p in sec.paths}
-
-
-def added_lines(diff: str) -> dict[str, list[str]]:
-    """path -> lines the diff adds (for the tamper scan); a rename's lines count for both names."""
-    out: dict[str, list[str]] = {}
-    for sec in split_diff(diff):
-        lines: list[str] = []
-        in_hunk = False
-        for line in sec.text.splitlines():
-            if line.startswith("@@"):
-                in_hunk = True
-            elif in_hunk and line.startswith("+"):
-                lines.append(line[1:])
-        for p in sec.paths:
-            out.setdefault(p, []).extend(lines)
-    return out

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import array
 import asyncio
-import atexit
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -33,20 +31,19 @@ import shlex
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.config import SandboxConfig
-from legorl.grading.stream import PLUGIN_MODULE, PLUGIN_SOURCE
+from legorl.grading.stream import install_verifier_files
 from legorl.sandbox.base import Sandbox
 from legorl.sandbox.bwrap import sandbox_ids
 from legorl.sandbox.client import ExecResult
 from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import MiB, SandboxLimits
-from legorl.tasks.repo import prepare_repo
+from legorl.tasks.pristine import PRISTINE, Pristine
 from legorl.tasks.schema import Task
 
 log = logging.getLogger(__name__)
@@ -96,94 +93,6 @@ def fallback_reason(task: Task, cfg: SandboxConfig | None, keep: bool) -> str | 
     if pytest_args(task.test_command) is None:
         return f"test command {task.test_command!r} is not `python -m pytest [options]`"
     return None
-
-
-# ---- pristine repos, prepared once per task -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pristine:
-    path: Path  # root-owned, never shown to a sandbox; copied per patch
-    base: str  # the orphan commit
-    base_paths: frozenset[str]
-
-
-class PristineCache:
-    """``prepare_repo`` once per task content (an LRU of ``size``, ~150 KB each for a built-in task), in a
-    private dir of this process: an episode's workspace and a grading's sources are copies of it."""
-
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._root: Path | None = None
-        self._entries: dict[str, Pristine] = {}
-        self._lock = threading.Lock()
-
-    def _dir(self) -> Path:
-        if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix="legorl-pristine-"))
-            atexit.register(shutil.rmtree, self._root, True)
-        return self._root
-
-    @staticmethod
-    def key(task: Task) -> str:
-        src = None
-        if task.repo_path:
-            with contextlib.suppress(OSError):
-                st = os.stat(task.repo_path)
-                src = [st.st_mtime_ns, st.st_size]
-        fields = [task.instance_id, task.repo_path, src, task.base_commit, task.files, task.binary_files,
-                  sorted(task.hidden_files), task.tests_dir]  # fmt: skip
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-
-    def get(self, task: Task) -> Pristine:
-        """Blocking (run it in a thread)."""
-        from legorl.grading.grader import _base_paths
-
-        key = self.key(task)
-        with self._lock:
-            if (hit := self._entries.pop(key, None)) is not None:
-                self._entries[key] = hit  # most recent last
-                return hit
-            root = self._dir()
-        tmp = root / f"tmp-{secrets.token_hex(6)}"
-        base = prepare_repo(task, tmp)
-        entry = Pristine(root / key, base, frozenset(_base_paths(tmp)))
-        with self._lock:
-            if key in self._entries:  # prepared twice at once: keep the first
-                shutil.rmtree(tmp, ignore_errors=True)
-                return self._entries[key]
-            tmp.rename(entry.path)
-            self._entries[key] = entry
-            while len(self._entries) > self.size:
-                old = self._entries.pop(next(iter(self._entries)))
-                shutil.rmtree(old.path, ignore_errors=True)
-        return entry
-
-
-    def copy(self, task: Task, dest: Path, ids: tuple[int, int] | None = None) -> Pristine:
-        """A private copy of the task's pristine repo at ``dest``, owned by ``ids`` (default: this process's
-        uid), what ``prepare_repo(task, dest)`` would write, for a copy's cost (made under the lock: an entry
-        is never evicted mid-copy)."""
-        while True:
-            entry = self.get(task)
-            with self._lock:
-                if self._entries.get(self.key(task)) is entry:
-                    copy_repo(entry.path, dest, ids)
-                    return entry
-
-
-PRISTINE = PristineCache()
-
-
-def copy_repo(src: Path, dest: Path, ids: tuple[int, int] | None) -> None:
-    """A private copy of a pristine repo, owned by ``ids`` (a sandbox's uid, as ``open_to`` does a workspace)."""
-    shutil.copytree(src, dest, symlinks=True)
-    if ids is None:
-        return
-    for dirpath, dirnames, filenames in os.walk(dest):
-        os.lchown(dirpath, *ids)
-        for name in (*dirnames, *filenames):
-            os.lchown(os.path.join(dirpath, name), *ids)
 
 
 # ---- one member: a grading sandbox and its zygote -------------------------------------------------
@@ -244,9 +153,7 @@ class Member:
         verifier = root / "v"
         verifier.mkdir(mode=0o755)
         os.chmod(verifier, 0o755)
-        for src, name in ((PLUGIN_SOURCE, PLUGIN_MODULE), (ZYGOTE_SOURCE, ZYGOTE_MODULE)):
-            shutil.copyfile(src, verifier / f"{name}.py")
-            os.chmod(verifier / f"{name}.py", 0o444)
+        install_verifier_files(verifier, (ZYGOTE_SOURCE, ZYGOTE_MODULE))
         (verifier / HOST_DIR).mkdir(mode=0o755)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(verifier / HOST_DIR / "zygote.sock"))

@@ -15,6 +15,18 @@ from typing import Self
 PLUGIN_SOURCE = Path(__file__).with_name("verifier_plugin.py")
 PLUGIN_MODULE = "legorl_verifier"
 SOCKET_NAME = "results.sock"
+# The test run's pytest configuration when the pristine repository has none: ``-c`` with this file, so no
+# config file of the repository (of any name) is read (grader.py).
+EMPTY_CONFIG = "legorl-pytest.ini"
+
+
+def install_verifier_files(verifier: Path, *extra: tuple[Path, str]) -> None:
+    """The plugin (and ``extra`` modules: (source, module name)) and the empty config, read-only, in ``verifier``."""
+    for src, name in ((PLUGIN_SOURCE, PLUGIN_MODULE), *extra):
+        shutil.copyfile(src, verifier / f"{name}.py")
+        os.chmod(verifier / f"{name}.py", 0o444)
+    (verifier / EMPTY_CONFIG).write_text("[pytest]\n")
+    os.chmod(verifier / EMPTY_CONFIG, 0o444)
 MAX_EVENTS = 200_000
 MAX_LINE = 16 * 1024 * 1024
 
@@ -35,6 +47,7 @@ class StreamedRun:
     longrepr: dict[str, str] = field(default_factory=dict)
     exitstatus: int | None = None
     anomalies: list[str] = field(default_factory=list)
+    tampering: list[str] = field(default_factory=list)  # the verifier saw the test runner patched
 
     def status(self, nodeid: str) -> str:
         """passed | failed | error | skipped | xfailed | xpassed | missing (explicit pass needs all phases)."""
@@ -94,6 +107,8 @@ class StreamedRun:
             self.exitstatus = int(event.get("exitstatus", -1))
         elif ev == "end":
             self.ended = True
+        elif ev == "tamper":
+            self.tampering.append(str(event.get("what", "?"))[:500])
         else:
             self.anomalies.append(f"unknown event {ev!r}")
 
@@ -142,8 +157,7 @@ class ResultServer:
             self.dir = self._outer / "v"
             self.dir.mkdir(mode=0o755)
             os.chmod(self.dir, 0o755)
-            shutil.copyfile(PLUGIN_SOURCE, self.dir / f"{PLUGIN_MODULE}.py")
-            os.chmod(self.dir / f"{PLUGIN_MODULE}.py", 0o444)
+            install_verifier_files(self.dir)
         self.socket_path = self.dir / SOCKET_NAME
         self.run = StreamedRun()
         self._server: asyncio.AbstractServer | None = None

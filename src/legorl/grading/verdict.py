@@ -5,7 +5,8 @@ Resolved only when every check agrees:
 1. the verifier plugin reported (else ``grader_error``: the test command is not pytest, or
    pytest could not start on pristine sources);
 2. the run did not time out, the session finished and the stream ended normally;
-3. nothing tampered with the stream (no duplicate or out-of-order results, no second
+3. nothing tampered with the runner (the verifier's audit hook and identity check saw no write
+   to pytest, pluggy or the plugin) or the stream (no duplicate or out-of-order results, no second
    connection, no plugin registered once repository code could run);
 4. at least one test was collected, and every FAIL_TO_PASS / PASS_TO_PASS test has an explicit
    pass for setup, call and teardown (an id without ``[...]`` covers all its parametrizations);
@@ -85,6 +86,8 @@ def decide(
         return Verdict(Outcome.GRADER_ERROR, "task lists no FAIL_TO_PASS/PASS_TO_PASS tests", tests)
     if timed_out:
         return unresolved("tests timed out", tests)
+    if run.tampering:
+        return unresolved("the code under test patched the test runner: " + "; ".join(run.tampering[:5]), tests)
     if run.anomalies:
         return unresolved("result stream tampered with: " + "; ".join(run.anomalies[:5]), tests)
     if run.collected is None:

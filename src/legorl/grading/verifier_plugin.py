@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import sys
+import types
 
 import pytest
 
@@ -57,8 +58,8 @@ _TRUSTED = tuple(
 ) + (os.path.abspath(__file__),)
 
 
-def _repository_caller() -> str | None:
-    frame = sys._getframe(2)
+def _repository_caller(depth: int = 2) -> str | None:
+    frame = sys._getframe(depth)
     while frame is not None:
         path = frame.f_code.co_filename
         trusted = path.startswith(("<", *_TRUSTED)) or os.path.basename(path) == "conftest.py"
@@ -66,6 +67,77 @@ def _repository_caller() -> str | None:
             return path
         frame = frame.f_back
     return None
+
+
+# ---- tampering with the runner, whatever it is spelt like ----------------------------------------------
+# Repository code runs inside this process and could patch pytest (`Function.runtest`, `call_and_report`)
+# with names built at run time. Two checks no spelling avoids, both set up before any repository code runs:
+# a PEP 578 audit hook (it cannot be removed) that refuses and reports every attribute write on a class or
+# function of pytest, pluggy or this plugin made with repository code on the stack, and an identity check
+# of every function and class those modules hold (and every attribute of those classes), taken when
+# collection starts, before each result is sent. Both report through a socket method bound here, which a rebound module name cannot redirect.
+_GUARDED = ("_pytest", "pytest", "pluggy", "iniconfig", __name__)
+
+
+def _guarded_module(name: object) -> bool:
+    return isinstance(name, str) and (name == __name__ or name.split(".")[0] in _GUARDED)
+
+
+def _runner_snapshot() -> list[tuple[dict | types.MappingProxyType, str, object, str]]:
+    entries: list[tuple[dict | types.MappingProxyType, str, object, str]] = []
+    for modname, module in list(sys.modules.items()):
+        if module is None or not _guarded_module(modname):
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, (type, types.FunctionType)):
+                entries.append((vars(module), name, value, f"{modname}.{name}"))
+                if isinstance(value, type) and value.__module__ == modname:
+                    entries.extend((vars(value), attr, v, f"{value.__qualname__}.{attr}")
+                                   for attr, v in list(vars(value).items()))  # fmt: skip
+    return entries
+
+
+def _make_tamper_checks():
+    sendall, missing, reported = _sock.sendall, object(), set()
+    snapshot: list = []
+    is_guarded, repository_caller, take_snapshot = _guarded_module, _repository_caller, _runner_snapshot
+
+    def report(what: str) -> None:
+        if what not in reported:
+            reported.add(what)
+            try:
+                sendall(json.dumps({"ev": "tamper", "what": what}).encode() + b"\n")
+            except OSError:
+                pass
+
+    def check(start: bool = False) -> None:
+        """At collection start: the runner as pytest configured it (its own plugins patch a few of its
+        classes in pytest_configure). Before every result is sent after that: a replaced runner function
+        shows here, however it was done."""
+        if start:
+            snapshot[:] = take_snapshot()
+        for namespace, name, value, label in snapshot:
+            if namespace.get(name, missing) is not value:
+                report(f"{label} replaced")
+
+    def audit(event: str, args: tuple) -> None:
+        if event not in ("object.__setattr__", "object.__delattr__"):
+            return
+        target = args[0]
+        if not isinstance(target, (type, types.FunctionType)) or not is_guarded(getattr(target, "__module__", None)):
+            return
+        caller = repository_caller(2)
+        if caller is None:
+            return  # pytest or a pristine conftest setting its own attributes
+        what = f"{getattr(target, '__qualname__', target)}.{args[1]} {'set' if len(args) > 2 else 'deleted'} from {caller}"
+        report(what)
+        raise RuntimeError(f"legorl verifier: code under test may not patch the test runner ({what})")
+
+    sys.addaudithook(audit)
+    return check
+
+
+_check_runner = _make_tamper_checks()
 
 
 def pytest_plugin_registered(plugin: object, manager: object) -> None:
@@ -77,6 +149,7 @@ def pytest_plugin_registered(plugin: object, manager: object) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection(session: pytest.Session) -> None:
+    _check_runner(start=True)
     _send({"ev": "collection_start"})
 
 
@@ -87,11 +160,13 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
+    _check_runner()
     _send({"ev": "collected", "ids": [item.nodeid for item in session.items]})
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _check_runner()
     event = {
         "ev": "report",
         "nodeid": report.nodeid,
@@ -106,6 +181,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _check_runner()
     _send({"ev": "finish", "exitstatus": int(exitstatus), "testsfailed": session.testsfailed})
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from legorl.config import FaultsConfig, SandboxConfig
 from legorl.grading import empty_patch_report, grade, workspace_diff
-from legorl.grading.pool import PRISTINE
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
@@ -31,6 +30,7 @@ from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
 from legorl.tasks import Task
+from legorl.tasks.pristine import PRISTINE
 
 CANCELLED_REASON = "cancelled: a straggler, its step already had enough complete groups"
 
