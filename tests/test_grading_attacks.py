@@ -217,3 +217,13 @@ def test_prepare_repo_is_unchanged_by_the_pristine_move(tmp_path: Path) -> None:
     base = prepare_repo(TASK, tmp_path / "a")
     entry = PRISTINE.copy(TASK, tmp_path / "b")
     assert entry.base == base and effect.snapshot(tmp_path / "a").keys() == effect.snapshot(tmp_path / "b").keys()
+
+
+def test_a_large_patch_is_filtered_in_a_worker_process_with_the_same_result() -> None:
+    from legorl.grading.grader import BIG_PATCH_BYTES, filter_off_loop
+
+    diff = ATTACKS["conftest after a hunk"] + new_file_git(f"{PKG}/data.py", "x = 1\n" * (BIG_PATCH_BYTES // 7))
+    assert len(diff) > BIG_PATCH_BYTES
+    off = asyncio.run(filter_off_loop(diff, {"tests/test_hidden.py"}, frozenset({PKG})))
+    assert off == filter_diff_detailed(diff, protected={"tests/test_hidden.py"}, base_paths=frozenset({PKG}))
+    assert off.reasons == {"conftest.py": "test or test-infrastructure path"}
