@@ -200,14 +200,29 @@ def test_the_grading_tree_changes_only_within_the_applied_paths(tmp_path_factory
     if filtered.kept.strip() and not _git_apply(tree, filtered.kept):
         return  # git refused the kept part: nothing applied
     done = effect.judge(tree, before, pristine, frozenset(), frozenset({"pkg", "pkg/a.py"}))
-    now = effect.snapshot(tree)
-    changed = {p for p in set(now) | set(before) if now.get(p) != before.get(p)}
-    changed_files = {p for p in changed if not (p in now and os.path.isdir(tree / p) and not os.path.islink(tree / p))}
-    assert changed_files <= set(done.applied) <= set(filtered.applied_paths)
-    for p in changed_files:
-        assert not os.path.islink(tree / p), p
+    now, was = _contents(tree), _contents(pristine)
+    changed = {p for p in set(now) | set(was) if now.get(p) != was.get(p) and now.get(p) != ("dir",)}
+    assert changed <= set(done.applied) <= set(filtered.applied_paths)
+    for p in changed:
+        assert now.get(p, ("file",))[0] == "file", p
         assert not policy.path_reason(p, frozenset(), frozenset({"pkg", "pkg/a.py"})), p
-    assert not any(os.path.islink(os.path.join(d, f)) for d, ds, fs in os.walk(tree) for f in (*ds, *fs))
+    assert not any(kind == "link" for kind, *_ in now.values())
+
+
+def _contents(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: what it is and holds (links not followed)."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                out[rel] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                out[rel] = ("dir",)
+            else:
+                out[rel] = ("file", os.stat(path).st_mode & 0o777, Path(path).read_bytes())
+    return out
 
 
 def test_prepare_repo_is_unchanged_by_the_pristine_move(tmp_path: Path) -> None:

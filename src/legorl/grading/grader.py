@@ -29,7 +29,7 @@ import os
 import secrets
 import shlex
 import shutil
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -298,28 +298,22 @@ async def grade(
         if report is not None:
             return report
     g = _Grading(task, Path(work_dir) / f"grade-{secrets.token_hex(6)}", sandbox)
-    try:
-        base = await g.pristine_sources(diff)
-        limits = _limits(task, timeout, limits, memory_mb)
+    limits = _limits(task, timeout, limits, memory_mb)
+
+    async def steps() -> None:
+        await g.pristine_sources(diff)
         async with ResultServer() as results:
             await g.start_sandbox(results, limits, hide_paths, label)
             await g.run_task_setup(timeout)
-            await g.apply_agent_patch()
-            await g.install_hidden_tests(base)
-            tests = await g.run_tests(results, timeout)
-        g.judge(tests)
-    except _Stop:
-        pass
-    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
-        g.infrastructure_failed(e)
-    finally:
-        g.report.resolved = g.report.outcome == Outcome.RESOLVED
+            await g.patch_and_test(lambda: g.run_tests(results, timeout))
+
+    async def cleanup() -> None:
         if g.box is not None:
             await g.box.close()
-        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml, g.drop_reasons)
         if not keep:
             shutil.rmtree(g.work, ignore_errors=True)
-    return g.report
+
+    return await g.graded(steps, cleanup, artifacts_dir)
 
 
 async def _grade_pooled(
@@ -330,7 +324,7 @@ async def _grade_pooled(
     with a fresh forked pytest process in namespaces of its own per patch instead of a fresh sandbox and
     interpreter. None when no pooled sandbox can be had (the caller then grades in a fresh sandbox)."""
     try:
-        pristine = await asyncio.to_thread(PRISTINE.get, task)
+        await asyncio.to_thread(PRISTINE.get, task)
     except Exception:  # noqa: BLE001 - the fresh-sandbox path reports the broken task as it always has
         return None
     pool = current_pool()
@@ -346,30 +340,22 @@ async def _grade_pooled(
     if member is None:
         return None
     g = _Grading(task, member.root, sandbox)
-    g.box, reusable, slot = member.box, False, None
-    try:
-        slot, g.ws, g.pristine = await asyncio.to_thread(member.new_slot, task)
-        g.repo = slot
+    g.box = member.box
+
+    async def steps() -> None:
+        g.repo, g.ws, g.pristine = await asyncio.to_thread(member.new_slot, task)
         await g.filter_diff(diff)
-        await g.apply_agent_patch()
-        await g.install_hidden_tests(pristine.base)
         async with ResultServer(shared=member.verifier) as results:
-            tests = await g.run_tests_pooled(member, results, timeout)
-        reusable = True
-        g.judge(tests)
-    except _Stop:
-        reusable = not member.box.violation
-    except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
-        g.infrastructure_failed(e)
-    finally:
-        if asyncio.current_task() is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
-            reusable = False
-        g.report.resolved = g.report.outcome == Outcome.RESOLVED
-        pool.release(kind, member, reusable)
-        if slot is not None:
-            await asyncio.to_thread(shutil.rmtree, slot, True)
-        _write_artifacts(artifacts_dir, g.report, g.filtered, g.junit_xml, g.drop_reasons)
-    return g.report
+            await g.patch_and_test(lambda: g.run_tests_pooled(member, results, timeout))
+
+    async def cleanup() -> None:
+        current = asyncio.current_task()
+        cancelled = current is not None and current.cancelling() > 0
+        pool.release(kind, member, not (g.infra_failed or member.box.violation or cancelled))
+        if g.ws is not None:
+            await asyncio.to_thread(shutil.rmtree, g.repo, True)
+
+    return await g.graded(steps, cleanup, artifacts_dir)
 
 
 def _limits(task: Task, timeout: float, limits: SandboxLimits | None, memory_mb: int | None) -> SandboxLimits:
@@ -408,7 +394,33 @@ class _Grading:
         self.filtered: FilteredDiff | None = None
         self.pristine: Pristine | None = None
         self.drop_reasons: dict[str, str] = {}  # every path the grader did not apply, and why
+        self.infra_failed = False
         self.junit_xml = ""
+
+    async def graded(
+        self, steps: Callable[[], Awaitable[None]], cleanup: Callable[[], Awaitable[None]], artifacts_dir: Path | None
+    ) -> GraderReport:
+        """Runs ``steps`` to the verdict: a _Stop ends them with the report as it stands, any other failure
+        is a GRADER_ERROR with the reason; then ``cleanup`` and the artifacts, whatever happened."""
+        try:
+            await steps()
+        except _Stop:
+            pass
+        except Exception as e:  # noqa: BLE001 - any infra failure becomes a typed GRADER_ERROR, never a 0
+            self.infrastructure_failed(e)
+        finally:
+            self.report.resolved = self.report.outcome == Outcome.RESOLVED
+            await cleanup()
+            _write_artifacts(artifacts_dir, self.report, self.filtered, self.junit_xml, self.drop_reasons)
+        return self.report
+
+    async def patch_and_test(self, run_tests: Callable[[], Awaitable[_TestRun]]) -> None:
+        """The steps both paths share once the sources are in place: the patch, the hidden tests, pytest
+        (``run_tests``: in a fresh sandbox or a pooled one's zygote) and the verdict."""
+        assert self.pristine is not None
+        await self.apply_agent_patch()
+        await self.install_hidden_tests(self.pristine.base)
+        self.judge(await run_tests())
 
     def _finish(self, outcome: Outcome, reason: str, log_tail: str | None = None, missing: bool = False) -> _Stop:
         """The report's verdict, to raise: ``missing`` marks every graded test missing (none ran)."""
@@ -419,11 +431,10 @@ class _Grading:
             self.report.tests = dict.fromkeys(self.task.test_ids, "missing")
         return _Stop()
 
-    async def pristine_sources(self, diff: str) -> str:
-        """A fresh copy of the task repo, and the part of ``diff`` the grader applies. Returns the base commit."""
+    async def pristine_sources(self, diff: str) -> None:
+        """A fresh copy of the task repo, and the part of ``diff`` the grader applies."""
         self.pristine = await asyncio.to_thread(PRISTINE.copy, self.task, self.repo)
         await self.filter_diff(diff)
-        return self.pristine.base
 
     def _protected(self) -> set[str]:
         return hidden_paths(self.task) | set(self.task.protected_paths)
@@ -509,54 +520,56 @@ class _Grading:
             raise self._finish(Outcome.GRADER_ERROR, err)
         await asyncio.to_thread(protect_test_files, self.repo, test_files(self.task))
 
-    async def run_tests(self, results: ResultServer, timeout: float) -> _TestRun:
-        """pytest with the verifier plugin; then the sandbox is closed before the stream is judged."""
-        assert self.box is not None
-        task = self.task
-        junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
-        rootdir = task.tests_dir or task.workdir
+    def _pytest_args(self, rootdir: str, junit_inside: str) -> list[str]:
+        """What the grader adds to the task's pytest command line: the verifier plugin and config, the
+        rootdir, pytest's own JUnit report and the graded test files."""
         assert self.pristine is not None
-        args = ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *config_args(task, self.pristine), f"--rootdir={rootdir}",
-                f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
-        cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
-        env = {**GRADER_ENV, "PYTHONPATH": f"{VERIFIER_INSIDE}:{ENV_INSIDE}"} if task.environment else GRADER_ENV
-        r = await self.box.exec(cmd, timeout=timeout, env=env)
+        return ["-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *config_args(self.task, self.pristine),
+                f"--rootdir={rootdir}", f"--junitxml={junit_inside}", *test_files(self.task)]  # fmt: skip
+
+    async def _test_run(self, r: ExecResult, read_junit: Callable[[], Awaitable[bytes]], results: ResultServer,
+                        before_stream: Callable[[], Awaitable[None]] | None = None) -> _TestRun:  # fmt: skip
+        """The exit code, pytest's own JUnit report (missing or garbled: the verdict says so) and the stream,
+        read once ``before_stream`` made sure nothing the tests left can add to it."""
         self.report.exit_code, self.report.log_tail = r.returncode, r.output[-LOG_TAIL:]
         junit, junit_error = None, ""
         try:
-            junit = parse_junit_text(await self.box.read_file(junit_inside))
+            junit = parse_junit_text(await read_junit())
         except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
             junit_error = str(e)[:300]
-        # Close first: nothing the tests left running can add to the stream while we judge it.
-        await self.box.close()
+        if before_stream is not None:
+            await before_stream()
         await results.wait_done(5.0)
         await results.stop()
         return _TestRun(r, results.run, junit, junit_error)
 
+    async def run_tests(self, results: ResultServer, timeout: float) -> _TestRun:
+        """pytest with the verifier plugin; then the sandbox is closed before the stream is judged."""
+        assert self.box is not None
+        box, task = self.box, self.task
+        junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
+        args = self._pytest_args(task.tests_dir or task.workdir, junit_inside)
+        cmd = f"{task.test_command} {' '.join(shlex.quote(a) for a in args)}"
+        env = {**GRADER_ENV, "PYTHONPATH": f"{VERIFIER_INSIDE}:{ENV_INSIDE}"} if task.environment else GRADER_ENV
+        r = await box.exec(cmd, timeout=timeout, env=env)
+        return await self._test_run(r, lambda: box.read_file(junit_inside), results, before_stream=box.close)
+
     async def run_tests_pooled(self, member: Member, results: ResultServer, timeout: float) -> _TestRun:
         """The same pytest command line, run by the member's zygote in a fresh forked process with
         namespaces of its own; everything it started is gone when this returns."""
-        task = self.task
+        assert self.ws is not None
         junit_inside = f"/tmp/legorl-junit-{secrets.token_hex(8)}.xml"
-        assert self.pristine is not None
-        args = [*(pytest_args(task.test_command) or []), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
-                *config_args(task, self.pristine), f"--rootdir={task.workdir}", f"--junitxml={junit_inside}", *test_files(task)]  # fmt: skip
+        args = [*(pytest_args(self.task.test_command) or []), *self._pytest_args(self.task.workdir, junit_inside)]
         socket_inside = f"{VERIFIER_INSIDE}/{results.name}/{SOCKET_NAME}"
         cover = [INSIDE_CTL, f"{VERIFIER_INSIDE}/{HOST_DIR}"]
-        assert self.ws is not None
         run = await member.run(self.ws, args, {"LEGORL_VERIFIER_SOCKET": socket_inside}, timeout, junit_inside, cover)
-        r = run.result
-        self.report.exit_code, self.report.log_tail = r.returncode, r.output[-LOG_TAIL:]
-        junit, junit_error = None, ""
-        try:
+
+        async def junit() -> bytes:
             if run.junit is None:
                 raise FileNotFoundError(f"no JUnit report at {junit_inside}")
-            junit = parse_junit_text(run.junit)
-        except Exception as e:  # noqa: BLE001 - missing or garbled: the verdict says so
-            junit_error = str(e)[:300]
-        await results.wait_done(5.0)
-        await results.stop()
-        return _TestRun(r, results.run, junit, junit_error)
+            return run.junit
+
+        return await self._test_run(run.result, junit, results)
 
     def judge(self, tests: _TestRun) -> None:
         """The verdict: the stream, pytest's exit code and its JUnit report must agree (verdict.py)."""
@@ -574,6 +587,7 @@ class _Grading:
     def infrastructure_failed(self, e: Exception) -> None:
         """GRADER_ERROR with the reason; UNRESOLVED when the code under test blew a sandbox limit."""
         report = self.report
+        self.infra_failed = True
         report.resolved, report.outcome = False, Outcome.GRADER_ERROR
         report.reason = f"{type(e).__name__}: {e}"[:2000]
         if self.box is not None and self.box.violation:
