@@ -230,10 +230,15 @@ def test_the_zygotes_warm_up_session_leaves_its_state_as_it_was(tmp_path: Path) 
     import subprocess
     import sys
 
+    import legorl
     from legorl.grading.pool import ZYGOTE_SOURCE
 
+    # The project's own modules by where they are (the package's source dir, and the warm-up's throwaway dir
+    # under TMPDIR), never by a name: a checkout in a directory named `legorl` holds its .venv too.
+    own_dirs = (str(Path(legorl.__file__).resolve().parent) + os.sep, str(tmp_path.resolve()) + os.sep)
     probe = f"""
 import json, os, sys, warnings
+own_dirs = {own_dirs!r}
 z = {{"__name__": "legorl_zygote"}}
 exec(compile(open({str(ZYGOTE_SOURCE)!r}).read(), "<legorl-zygote>", "exec"), z)
 state = lambda: [list(sys.path), [repr(h) for h in sys.meta_path], [repr(f) for f in warnings.filters], os.getcwd(),
@@ -244,7 +249,8 @@ z["warm_up"]()
 print("stdout still here", flush=True)
 new = sorted(set(sys.modules) - modules)
 print(json.dumps({{"same": state() == before, "new": new,
-                  "own": [m for m in new if "warm_up" in m or "legorl" in (getattr(sys.modules[m], "__file__", "") or "")],
+                  "own": [m for m in new if "warm_up" in m
+                          or os.path.realpath(getattr(sys.modules[m], "__file__", "") or "/").startswith(own_dirs)],
                   "tmp": [p for p in os.listdir({str(tmp_path)!r})]}}))
 """
     env = {**os.environ, "TMPDIR": str(tmp_path)}
