@@ -25,7 +25,7 @@ def toy_run(tmp_path_factory, cache_dir):
         "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
         "sft.enabled=true", "sft.demos=2", "sft.epochs=1.5", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
         "eval.before_training=true", "rollout.prioritize=true", "sft.check_edits=true", "sft.recovery_demos=1.0",
-        "eval.after_training=true",
+        "eval.after_training=true", "monitor.loggers=[tensorboard,mlflow]",
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
     return run_dir, summary
@@ -105,14 +105,48 @@ def test_a_finished_run_continues_to_more_steps(toy_run, tmp_path):
     run_dir, summary = toy_run
     copy = tmp_path / "continued"
     shutil.copytree(run_dir, copy)
-    cfg = load_config(copy / "config.json", ["run.steps=2"])
+    cfg = load_config(copy / "config.json", ["run.steps=3", "eval.every=1"])
     continued = asyncio.run(run_job(cfg, copy, resume=True))
 
-    assert continued["steps"] == 2
+    assert continued["steps"] == 3
     assert continued["sft"] == summary["sft"] and continued["before_rl"] == summary["before_rl"]
     assert continued["heldout_pass_at_1_after_rl"] is not None
     store = Store(copy / "store.sqlite")
-    assert store.last_step() == 1
+    assert store.last_step() == 2
     assert len(store.rollouts(split="demo")) == 2  # the teacher was not run again
     eval_steps = {r.step for r in store.rollouts(split="eval-heldout")}
-    assert eval_steps == {-1, 1, 2}  # before RL, after the first run's step, after the continuation
+    assert eval_steps == {-1, 1, 3}  # before RL, after the first run's step and after step 1 again, at the end
+    # every evaluation reached TensorBoard at the count of RL updates it measured, keys as in summary.json
+    assert _tensorboard(copy, "eval/heldout/pass_at_1") == [0, 1, 2, 3]
+    assert set(continued["after_rl"]) <= set(_tensorboard_tags(copy))
+
+
+def _tensorboard_tags(run_dir) -> list[str]:
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
+    mux.Reload()
+    return sorted({t for run in mux.Runs().values() for t in run["scalars"]})
+
+
+def _tensorboard(run_dir, tag: str) -> list[int]:
+    """The steps at which ``tag`` was logged, over every event file of the run (a resumed run adds one)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
+    mux.Reload()
+    return sorted(e.step for run, tags in mux.Runs().items() if tag in tags["scalars"] for e in mux.Scalars(run, tag))
+
+
+def test_every_evaluation_reaches_the_loggers(toy_run):
+    """Before RL at 0 and after RL at run.steps, in TensorBoard and MLflow, with summary.json's keys."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir, summary = toy_run
+    assert _tensorboard(run_dir, "eval/heldout/pass_at_1") == [0, 1]
+    assert set(summary["before_rl"]) <= set(_tensorboard_tags(run_dir))
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("legorl").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "eval/heldout/pass_at_1")
+    assert sorted((m.step, m.value) for m in history) == [(0, summary["before_rl"]["eval/heldout/pass_at_1"]),
+                                                          (1, summary["after_rl"]["eval/heldout/pass_at_1"])]

@@ -483,8 +483,10 @@ class Driver:
         for step in range(self.first_step, self.cfg.run.steps):
             r = await self.step(step)
             if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.steps:
-                r.metrics.update(await self.evaluate(step))
+                evaluation = await self.evaluate(step)
+                r.metrics.update(evaluation)
                 self.store.add_step(step, r.metrics)
+                self.loggers.log(step + 1, evaluation)  # at the count of RL updates it measured
             console.print(step_line(r), markup=False)  # "[resolved=3]" is not a style tag
             results.append(r)
         return results
@@ -521,6 +523,7 @@ class Driver:
         if self.cfg.eval.before_training and "before_rl" not in summary:
             with phase("eval_before_rl"):
                 summary["before_rl"] = await self.evaluate(step=-1)
+            self.loggers.log(0, summary["before_rl"])  # evaluations go to the loggers at the RL updates done
             save()
             console.print(eval_line("before RL", summary["before_rl"]), markup=False)
         with phase("rl"):
@@ -528,6 +531,7 @@ class Driver:
         if self.cfg.eval.after_training:
             with phase("eval_after_rl"):
                 summary["after_rl"] = await self.evaluate(step=self.cfg.run.steps)
+            self.loggers.log(self.cfg.run.steps, summary["after_rl"])
             console.print(eval_line("after RL", summary["after_rl"]), markup=False)
         key = f"eval/{self.cfg.eval.split}/pass_at_1"
         summary.update({
