@@ -43,6 +43,7 @@ from legorl.sandbox.bwrap import sandbox_ids
 from legorl.sandbox.client import ExecResult
 from legorl.sandbox.factory import create_sandbox
 from legorl.sandbox.limits import MiB, SandboxLimits
+from legorl.sandbox.sandbox_agent import read_trimmed
 from legorl.tasks.pristine import PRISTINE, Pristine
 from legorl.tasks.schema import Task
 
@@ -59,7 +60,6 @@ REFUSED_S = 600.0  # a kind whose zygote refused is tried again after this
 START_TIMEOUT_S = 60.0
 REPLY_SLACK_S = 30.0  # past the tests' timeout, which the zygote enforces itself
 ZYGOTE_LIFETIME_S = 7 * 24 * 3600.0
-MAX_OUTPUT = 2_000_000  # as the sandbox agent keeps of a command's output
 SHELL_CHARS = set("$;&|<>`*?~(){}[]!\\'\"#\n")  # (an `=` only assigns before the command: words[0] is checked)
 
 
@@ -108,16 +108,9 @@ class RunResult:
     junit: bytes | None
 
 
-def _read_trimmed(path: Path) -> str:
-    size = path.stat().st_size
+def _read_output(path: Path) -> str:
     with open(path, "rb") as f:
-        if size <= MAX_OUTPUT:
-            return f.read().decode("utf-8", errors="replace")
-        head = f.read(MAX_OUTPUT // 2)
-        f.seek(size - MAX_OUTPUT // 2)
-        tail = f.read()
-    note = f"\n... [{size - MAX_OUTPUT} bytes truncated] ...\n"
-    return head.decode("utf-8", errors="replace") + note + tail.decode("utf-8", errors="replace")
+        return read_trimmed(f)
 
 
 @dataclass
@@ -248,7 +241,7 @@ class Member:
             self.test_cpu_s += float(reply.get("test_cpu") or 0.0)
             if "error" in reply:
                 raise RuntimeError(f"grading zygote: {reply['error']}")
-            output = _read_trimmed(out_path)
+            output = _read_output(out_path)
             if reply.get("timed_out"):
                 note = f"[legorl] timed out after {timeout:g} s; ended the test run's namespace"
                 output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"

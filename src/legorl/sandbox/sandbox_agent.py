@@ -53,6 +53,8 @@ ZYGOTE = [None]  # (the agent's end of the zygote's socket, its pid); see zygote
 ZYGOTE_LOCK = _thread.allocate_lock()
 ZYGOTE_MAX_MESSAGE = 128 * 1024  # larger requests go in a file
 WHICH = {}  # (PATH, name) -> path
+ZYGOTE_GONE = ("[legorl] the command never started: the sandbox's process launcher died before starting it, "
+               "on every retry (something inside the sandbox kills it)\n")
 FORK_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # waits before a fork refused for the process budget is retried
 
 
@@ -474,7 +476,8 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _read_trimmed(f) -> str:
+def read_trimmed(f) -> str:
+    """A command's output file, its head and tail when over MAX_OUTPUT (the grading pool reads its runs' alike)."""
     import os
 
     size = os.fstat(f.fileno()).st_size
@@ -554,6 +557,9 @@ def run_command(req: dict, conn_fd: int = -1) -> dict:
                     how = later if later in ("E", "") else how
             if how == "" and not pid and _zygote_gone():  # it died (killed from inside) before starting it
                 os.close(rfd)
+                rfd = -1  # closed: the agent is threaded, a second close could hit another connection's fd
+                if wait is None:
+                    return {"output": ZYGOTE_GONE, "returncode": -1, "timed_out": False}
                 continue
             if how != "E":
                 break
@@ -577,9 +583,10 @@ def run_command(req: dict, conn_fd: int = -1) -> dict:
                     note += f" (the sandbox's process limit of {NPROC_LIMIT[0]} was reached: fork bomb?)"
             elif how == "X":
                 returncode = os.waitstatus_to_exitcode(int(words[0]))
-            output = _read_trimmed(out)
+            output = read_trimmed(out)
         finally:
-            os.close(rfd)
+            if rfd >= 0:
+                os.close(rfd)
     if note:
         output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"
     reply = {"output": output, "returncode": returncode, "timed_out": how == "timed out", "ended": ended}
