@@ -29,6 +29,8 @@ class Sandbox(Protocol):
 
     async def read_file(self, path: str, max_bytes: int = ...) -> bytes: ...
 
+    async def quiesce(self, timeout: float = ...) -> list[str]: ...  # end what its commands left running
+
     async def guard(self, work: Awaitable[T]) -> T: ...  # await work; SandboxError if the sandbox is killed first
 
     async def close(self) -> None: ...

@@ -172,6 +172,15 @@ class ControlledSandbox:
         if "error" in reply:
             raise SandboxError(f"write_file {path} failed: {reply['error']}")
 
+    async def quiesce(self, timeout: float = 30) -> list[str]:
+        """End every process the sandbox's commands left running (the names ended); SandboxError when some
+        survive. Before the host reads what the agent did: nothing of the agent's can then tamper with it."""
+        reply = await self._request({"op": "quiesce", "budget": min(10.0, timeout)}, timeout)
+        if "error" in reply or reply.get("left"):
+            raise SandboxError(f"sandbox {self.label}: could not end the agent's processes "
+                               f"({reply.get('error') or str(reply.get('left')) + ' left'})")
+        return list(reply.get("ended") or [])
+
     async def read_file(self, path: str, max_bytes: int = READ_LIMIT // 2) -> bytes:
         reply = await self._request({"op": "read_file", "path": path, "max_bytes": max_bytes}, 30)
         if "error" in reply:

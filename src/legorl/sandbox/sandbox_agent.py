@@ -186,6 +186,30 @@ def _end_tree(root: int, budget: float = 10.0) -> tuple:
     until no member is left running: a fork bomb still has children in flight), then killed whole, and
     the kills are waited for: once the processes are reaped the process budget is free again.
     """
+    return _end(lambda procs: [root, *_below(root, procs)] if root in procs else [], budget)
+
+
+def quiesce(req: dict) -> dict:
+    """End every process of the sandbox but this agent (and the processes above it) and its zygote: what the
+    agent's commands left running (daemons of a finished harness) is frozen and killed, as a timed-out
+    command's tree is. Asked before the host reads the workspace (its diff): nothing the agent started can
+    then stop, read or rewrite a command of the host's, through /proc or otherwise."""
+    import os
+
+    procs = scan_processes()
+    keep, pid = set(), os.getpid()
+    while pid in procs and pid not in keep:
+        keep.add(pid)
+        pid = procs[pid][0]
+    if ZYGOTE[0] is not None:
+        keep.add(ZYGOTE[0][1])
+    ended, _ = _end(lambda now: [p for p in now if p not in keep], float(req.get("budget", 10.0)))
+    left = [p for p in scan_processes() if p not in keep]
+    return {"ended": ended, "left": len(left)}
+
+
+def _end(select, budget: float) -> tuple:
+    """Freeze the processes ``select(procs)`` names, in rounds until none of them runs, then kill and reap them."""
     import os
     import signal
     import time
@@ -196,7 +220,7 @@ def _end_tree(root: int, budget: float = 10.0) -> tuple:
         procs = scan_processes()
         if first:
             at_limit, first = _at_limit(procs), False
-        tree = [root, *_below(root, procs)] if root in procs else []
+        tree = select(procs)
         fresh = [p for p in tree if p not in frozen and procs[p][1] != b"Z"]
         if not fresh and all(procs[p][1] in b"ZTtX" for p in tree):
             break  # every member stopped: none can fork any more
@@ -627,6 +651,7 @@ OPS = {
     "write_file": write_file,
     "read_file": read_file,
     "ping": ping,
+    "quiesce": quiesce,
 }
 
 
