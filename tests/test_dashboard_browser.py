@@ -55,7 +55,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         while proc.poll() is None and time.time() < deadline:
             time.sleep(1.0)
             if client is None and (run / "store.sqlite").exists():
-                client = TestClient(create_app(run))
+                client = TestClient(create_app(run), base_url="http://127.0.0.1")
             if client is not None:  # the dashboard reads while the trainer writes
                 assert client.get("/api/overview").status_code == 200
                 assert client.get("/api/rollouts").status_code == 200

@@ -17,6 +17,8 @@ from legorl.monitor.synthetic import SyntheticSpec, build_synthetic_store
 from legorl.records import GraderReport, LLMCall, Outcome, Rollout, ToolCall
 from legorl.store import Store
 
+LOCAL = "http://127.0.0.1"  # the dashboard answers loopback Hosts only (no token)
+
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -27,7 +29,7 @@ def synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(synth: Path) -> TestClient:
-    return TestClient(create_app(synth))
+    return TestClient(create_app(synth), base_url=LOCAL)
 
 
 def sql(run: Path, q: str, *args: object) -> list[tuple]:
@@ -135,7 +137,7 @@ def hand_built(run: Path) -> str:
 
 def test_trajectory_tokens_tools_and_report(tmp_path: Path) -> None:
     rid = hand_built(tmp_path)
-    t = TestClient(create_app(tmp_path)).get(f"/api/rollout/{rid}").json()
+    t = TestClient(create_app(tmp_path), base_url=LOCAL).get(f"/api/rollout/{rid}").json()
     c0, c1, c2 = t["calls"]
     assert c0["new_prompt_start"] == 0 and c0["new_prompt_tokens"] == 3  # segment start: the whole prompt
     assert c1["new_prompt_start"] == 5 and c1["new_prompt_tokens"] == 2  # only what follows call 0's tokens
@@ -151,7 +153,7 @@ def test_trajectory_tokens_tools_and_report(tmp_path: Path) -> None:
 
 def test_live_reads_while_the_store_is_written(tmp_path: Path) -> None:
     hand_built(tmp_path)
-    c = TestClient(create_app(tmp_path))
+    c = TestClient(create_app(tmp_path), base_url=LOCAL)
     assert c.get("/api/overview").json()["run"]["steps"] == 1
     writer = Store(tmp_path / "store.sqlite")  # the trainer's connection, still open
     writer.add_step(1, {"reward/mean": 1.0, "pass_rate": 1.0})
@@ -169,6 +171,18 @@ def test_token_required_on_every_request(tmp_path: Path) -> None:
     r = c.get("/", params={"token": "s3cret"})
     assert r.status_code == 200
     assert c.get("/api/overview").status_code == 200  # the cookie set by the first visit
+
+
+def test_a_forged_host_is_refused_without_a_token(client: TestClient, synth: Path) -> None:
+    """DNS rebinding: a page on evil.example resolved to 127.0.0.1 sends Host: evil.example:port."""
+    for host in ("127.0.0.1:8321", "localhost:8321", "[::1]:8321", "localhost"):
+        assert client.get("/api/health", headers={"host": host}).status_code == 200, host
+    for host in ("evil.example:8321", "127.0.0.1.evil.example", "", "[::1", "10.0.0.2:8321"):
+        r = client.get("/api/overview", headers={"host": host})
+        assert r.status_code == 421 and "loopback addresses only" in r.text, (host, r.text)
+    # with a token any name may reach it (served on a public address); the token is what is checked
+    c = TestClient(create_app(synth, token="tok"), base_url="http://dash.example.org")
+    assert c.get("/api/health", params={"token": "tok"}).status_code == 200
 
 
 def test_bind_policy() -> None:

@@ -60,7 +60,7 @@ while time.time() < deadline:  # wait for git diff, the child of the diff's shel
     finally:
         os.kill(shell, signal.SIGCONT)
     raise SystemExit(0)
-''' % SECTION
+''' % SECTION  # noqa: UP031 - the daemon's own f-strings stay as they are
 
 
 async def _diff_with_a_daemon(tmp_path: Path, cfg: SandboxConfig) -> tuple[str, str, list[str]]:

@@ -120,6 +120,28 @@ def test_visible_root_is_system_dirs_and_runtimes_only(tmp_path: Path) -> None:
     run(main())
 
 
+@needs_bwrap
+def test_a_venv_reached_through_a_symlink_is_on_path_by_the_name_the_sandbox_mounts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout reached through a symlink (~/proj -> /data/proj) puts its venv at a name the sandbox does not
+    have: it mounts paths resolved. PATH must name the venv the same way, or `python` is the system one."""
+    venv_bin = Path(sys.executable).parent
+    (tmp_path / "link").symlink_to(venv_bin.parent)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "link" / venv_bin.name / Path(sys.executable).name))
+
+    async def main() -> None:
+        box = await make(tmp_path)
+        try:
+            r = await box.exec("echo $PATH; command -v python; python -c 'import pytest; print(\"pytest-ok\")'")
+            first, python, ok = r.output.split()
+            assert first.split(":")[0] == os.path.realpath(venv_bin), r.output
+            assert (python, ok) == (f"{os.path.realpath(venv_bin)}/python", "pytest-ok"), r.output
+        finally:
+            await box.close()
+
+    run(main())
+
+
 def test_hidden_path_is_empty_but_workspace_below_it_works(box_cfg: SandboxConfig) -> None:
     # Outside /tmp on purpose: the sandbox's /tmp is a fresh tmpfs anyway.
     root = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="legorl-test-"))

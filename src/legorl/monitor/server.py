@@ -7,7 +7,9 @@
 
 Everything it needs ships in this package (static/charts.js draws SVG charts): it
 works offline. It binds to loopback by default; binding any other address needs a
-token, checked on every request (`?token=` once, then a cookie).
+token, checked on every request (`?token=` once, then a cookie). Without a token it
+answers only requests whose Host names a loopback address: a web page the user visits
+cannot read it through a name rebound to 127.0.0.1 (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
@@ -51,6 +54,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port ('[::1]:8000' -> '::1'); '' when it does not parse."""
+    try:
+        return urlsplit("//" + host_header).hostname or ""
+    except ValueError:
+        return ""
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -131,6 +142,16 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
     threading.Thread(target=lambda: decoder.tokenizer, name="legorl-dashboard-tokenizer", daemon=True).start()
     app = FastAPI(title="legorl dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.db, app.state.token = db, token
+
+    if not token:
+        @app.middleware("http")
+        async def check_host(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            host = request.headers.get("host", "")
+            if not is_loopback(host_name(host)):
+                return PlainTextResponse(
+                    f"421: this dashboard serves loopback addresses only, not Host {host!r}: open it at "
+                    "http://127.0.0.1:<port>/, or serve it with a token (--token) to reach it by another name", 421)
+            return await call_next(request)
 
     if token:
         @app.middleware("http")

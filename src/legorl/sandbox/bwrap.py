@@ -94,7 +94,9 @@ SANDBOX_ENV = {
 
 
 def sandbox_path_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    venv_bin = str(Path(sys.executable).parent)  # first, so `python` has pytest & co.
+    # First, so `python` has pytest & co.; resolved, as the sandbox mounts it (a venv reached
+    # through a symlinked checkout path would otherwise be on PATH under a name that does not exist there).
+    venv_bin = os.path.realpath(Path(sys.executable).parent)
     path = f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
     return {"PATH": path, **SANDBOX_ENV, **(extra or {})}
 
