@@ -336,6 +336,18 @@ def test_lr_zero_first_step_has_exact_mismatch_and_no_change() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_grad_norm_is_the_mean_over_the_steps_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_model()
+    seqs = _sampled_sequences(model, [1.0, -0.5, 0.25, -1.0])
+    tr = Trainer(model, lr=1e-2, temperature=TEMP, mini_batches=2, ppo_epochs=2)
+    norms: list[float] = []
+    clip = tr._clip_grads
+    monkeypatch.setattr(tr, "_clip_grads", lambda: norms.append(clip()) or norms[-1])
+    m = tr.train_step(seqs)
+    assert len(norms) == 4 and m["train/updates"] == 4.0 and len(set(norms)) == 4, norms
+    assert m["train/grad_norm"] == pytest.approx(sum(norms) / 4) and m["train/grad_norm_max"] == max(norms)
+
+
 def test_accumulation_matches_full_batch_gradient() -> None:
     seqs = _sampled_sequences(_tiny_model(), [1.0, -0.5, 0.25])
     grads = []

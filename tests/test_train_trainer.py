@@ -11,10 +11,9 @@ import torch
 import transformers
 from helpers import tiny_qwen3
 
-from legorl.records import LLMCall, Rollout, TrainingSequence
+from legorl.records import TrainingSequence
 from legorl.train.logprobs import sequence_logprobs
 from legorl.train.schedule import LRSchedule
-from legorl.train.staleness import filter_stale, is_stale
 from legorl.train.trainer import Trainer
 
 TEMP = 0.7
@@ -206,7 +205,7 @@ def test_entropy_bonus_trains_even_with_zero_advantages() -> None:
     assert m["train/skipped"] == 0.0 and m["train/entropy"] > h0
 
 
-# ---- schedule, checkpoints, staleness ----------------------------------------------------------
+# ---- schedule, checkpoints ----------------------------------------------------------
 
 
 def test_lr_schedule_values() -> None:
@@ -264,31 +263,6 @@ def test_schedule_survives_external_lr_changes() -> None:
     tr.sft_step(seqs)
     assert tr.policy_updates == 0 and tr.step == 1
     assert tr.train_step(seqs)["train/lr"] == pytest.approx(1e-3 / 4)
-
-
-def _call(version: int, sampled_: bool = True) -> LLMCall:
-    return LLMCall(
-        "r", 0, "openai_chat", {}, [1], [2], [-0.1], "stop", version, "", sampled_from_policy=sampled_
-    )
-
-
-def test_staleness_filter() -> None:
-    rollouts = []
-    for i, versions in enumerate([[5, 5], [3, 5], [2], []]):
-        r = Rollout(
-            id=f"r{i}", step=0, task_id="t", group_id="g", sample_index=i, harness="h", weight_version_start=4
-        )
-        r.calls = [_call(v) for v in versions]
-        rollouts.append(r)
-    rollouts[2].calls.append(_call(0, sampled_=False))  # teacher text: no weight version to judge
-    kept, dropped = filter_stale(rollouts, current_version=5, max_staleness=2)
-    assert [r.id for r in kept] == ["r0", "r1", "r3"] and [r.id for r in dropped] == ["r2"]
-    kept, _ = filter_stale(rollouts, current_version=5, max_staleness=0)
-    assert [r.id for r in kept] == ["r0"]
-    assert [c.weight_version for c in filter_stale([_call(1), _call(4)], 5, 1)[0]] == [4]
-    assert is_stale(2, 5, 2) and not is_stale(3, 5, 2)
-    with pytest.raises(ValueError):
-        is_stale(1, 2, -1)
 
 
 # ---- GPU path options on CPU --------------------------------------------------------------------

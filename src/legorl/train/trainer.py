@@ -229,10 +229,11 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(grad_norm)
 
-        n_ok = sum(math.isfinite(g) for g in grad_norms)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        n_ok = len(finite)
         metrics = {
             "train/loss": loss_total / n_updates,
-            "train/grad_norm": grad_norms[0],
+            "train/grad_norm": sum(finite) / n_ok if n_ok else grad_norms[0],  # mean over the step's updates
             "train/grad_norm_max": max(grad_norms),
             "train/skipped": 0.0 if n_ok else 1.0,
             "train/nonfinite_grad": float(n_updates - n_ok),
