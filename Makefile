@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 NPM_PREFIX := $(VENV)/npm
 CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
+OPENCODE_VERSION := 1.18.33
 HARNESS ?= mini-swe-agent
 DEMO_CONFIG := configs/$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)).yaml
 RUN_DIR ?= runs/demo-$(HARNESS)-$(shell date +%Y%m%d-%H%M%S)
@@ -38,7 +39,7 @@ setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-test
 $(VENV)/.setup-clis: Makefile
 	$(call apt_need,node:nodejs npm:npm)
 	npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) \
-	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
+	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION) opencode-ai@$(OPENCODE_VERSION)
 	@touch $@
 
 $(VENV)/.setup-test: pyproject.toml Makefile

@@ -1,4 +1,4 @@
-"""The whole job at toy size through Claude Code and through Codex: teacher demos through each CLI's
+"""The whole job at toy size through Claude Code, Codex and OpenCode: teacher demos through each CLI's
 own shell tool -> SFT -> eval -> RL step -> eval, every stage recorded and every call token-exact."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from legorl.models import load_tokenizer
 from legorl.pipeline import run_job
 from legorl.store import Store
 
-WIRE = {"claude-code": ("anthropic_messages", "Bash"), "codex": ("openai_responses", "exec_command")}
+WIRE = {"claude-code": ("anthropic_messages", "Bash"), "codex": ("openai_responses", "exec_command"),
+        "opencode": ("openai_chat", "bash")}
+CLI = {"claude-code": "claude", "codex": "codex", "opencode": "opencode"}
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+@pytest.mark.parametrize("harness", ["claude-code", "codex", "opencode"])
 def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
-    cli = NPM_BIN / ("claude" if harness == "claude-code" else "codex")
+    cli = NPM_BIN / CLI[harness]
     if not cli.exists():
         pytest.skip(f"needs the pinned {harness} CLI (make setup-test)")
     wire, tool = WIRE[harness]

@@ -176,18 +176,20 @@ class SandboxConfig(_Section):
         return v
 
 
-HarnessName = Literal["mini-swe-agent", "claude-code", "codex"]
+HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode"]
 
 # What each harness can honour beyond the keys every harness reads (docs/configuration.md).
 _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "system_template": {"mini-swe-agent"},
     "max_consecutive_format_errors": {"mini-swe-agent"},
     "workers": {"mini-swe-agent"},
-    "system_prompt": {"claude-code", "codex"},
+    "system_prompt": {"claude-code", "codex", "opencode"},
     "append_system_prompt": {"claude-code", "codex"},
-    "tools": {"claude-code", "codex"},
-    "extra_args": {"claude-code", "codex"},
+    "tools": {"claude-code", "codex", "opencode"},
+    "extra_args": {"claude-code", "codex", "opencode"},
     "codex_config": {"codex"},
+    "opencode_config": {"opencode"},
+    "wire_format": {"opencode"},
 }
 
 
@@ -195,20 +197,23 @@ class HarnessConfig(_Section):
     # One harness, or a list: each RL group runs one of them in turn, the trainer learns from all,
     # and evaluation reports each harness (docs/configuration.md, "harness").
     name: HarnessName | list[HarnessName] = "mini-swe-agent"
-    # mini-swe-agent: model calls; claude-code: --max-turns; codex (no such switch): the proxy ends
-    # the episode as max_turns when the harness asks for one call more.
+    # mini-swe-agent: model calls; claude-code: --max-turns; codex and opencode (no such switch): the
+    # proxy ends the episode as max_turns when the harness asks for one call more.
     step_limit: int = Field(6, gt=0)
     instance_template: str | None = None  # must mention {{task}} (mini-swe-agent) / {task} (CLIs)
     # mini-swe-agent only
     system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
     max_consecutive_format_errors: int = Field(2, ge=0)
     workers: int = Field(1, gt=0)  # long-lived harness worker processes
-    # Claude Code and Codex, through their own switches (docs/harnesses/*.md)
-    system_prompt: str | None = None  # claude-code: --system-prompt; codex: its model instructions file
+    # Claude Code, Codex and OpenCode, through their own switches (docs/harnesses/*.md)
+    system_prompt: str | None = None  # claude-code: --system-prompt; codex: its model instructions file; opencode: the build agent's prompt
     append_system_prompt: str | None = None  # claude-code: --append-system-prompt; codex: developer_instructions
-    tools: list[str] | None = None  # claude-code: --tools; codex: every other tool switched off in config.toml
+    tools: list[str] | None = None  # claude-code: --tools; codex, opencode: every other tool switched off in their config
     extra_args: list[str] = Field(default_factory=list)  # more command-line arguments for the CLI
     codex_config: dict[str, Any] = Field(default_factory=dict)  # codex: more config.toml keys (dotted)
+    opencode_config: dict[str, Any] = Field(default_factory=dict)  # opencode: more JSON config, merged in
+    # opencode: the wire format its legorl provider speaks (the AI SDK package it uses)
+    wire_format: Literal["openai_chat", "openai_responses", "anthropic_messages"] = "openai_chat"
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
     overrides: dict[HarnessName, dict[str, Any]] = Field(default_factory=dict)
 

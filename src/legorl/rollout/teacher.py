@@ -47,6 +47,7 @@ TOOL_STYLES = {
     "mini-swe-agent": ToolStyle("bash", "command", SUBMIT),
     "claude-code": ToolStyle("Bash", "command", None),
     "codex": ToolStyle("exec_command", "cmd", None),
+    "opencode": ToolStyle("bash", "command", None),
 }
 
 
