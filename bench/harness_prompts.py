@@ -3,7 +3,7 @@
 Each harness plays the scripted teacher's episodes (read the function, fix the line, finish) on
 built-in tasks through the proxy, as `make demo` does; the figures are the recorded prompt
 lengths (the built-in tokenizer): the first call of each episode and the median over all calls.
-The shortened configurations are those of configs/demo-claude-code.yaml and configs/demo-codex.yaml.
+The shortened configurations are those of configs/demo-<harness>.yaml.
 
     .venv/bin/python bench/harness_prompts.py [--episodes 4] [--harness claude-code]
 """
@@ -37,7 +37,7 @@ async def measure(config: Path | None, overrides: list[str], episodes: int) -> t
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=4)
-    ap.add_argument("--harness", action="append", help="only this harness (repeatable); default: all three")
+    ap.add_argument("--harness", action="append", help="only this harness (repeatable); default: all")
     args = ap.parse_args()
     claude, codex = ROOT / "configs" / "demo-claude-code.yaml", ROOT / "configs" / "demo-codex.yaml"
     cases = [
@@ -47,6 +47,8 @@ def main() -> None:
         ("claude-code", "shortened (demo config)", claude, []),
         ("codex", "its defaults", None, ["harness.name=codex"]),
         ("codex", "shortened (demo config)", codex, []),
+        ("opencode", "its defaults", None, ["harness.name=opencode"]),
+        ("opencode", "shortened (demo config)", ROOT / "configs" / "demo-opencode.yaml", []),
     ]
     cases = [c for c in cases if not args.harness or c[0] in args.harness]
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")

@@ -30,18 +30,22 @@ PROVIDER_PACKAGES: dict[str, str] = {"openai_chat": "@ai-sdk/openai-compatible",
                                      "openai_responses": "@ai-sdk/openai",
                                      "anthropic_messages": "@ai-sdk/anthropic"}
 
-# The tools OpenCode 1.18 declares to the model. The shell (`bash`) always stays: it is how it acts.
-TOOLS = ("bash", "edit", "glob", "grep", "read", "skill", "task", "todowrite", "webfetch", "write")
+# The tools OpenCode 1.18 declares to the model, in the groups its `tools` config switches off
+# together (edit and write share one permission: either key removes both). The shell (`bash`)
+# always stays: it is how it acts.
+TOOL_GROUPS = (("bash",), ("edit", "write"), ("glob",), ("grep",), ("read",), ("skill",), ("task",),
+               ("todowrite",), ("webfetch",))
+TOOLS = tuple(t for group in TOOL_GROUPS for t in group)
 
 
 def opencode_tool_switches(tools: list[str]) -> dict[str, bool]:
-    """The config's `tools` map that leaves only `tools` declared; ValueError naming an unknown tool."""
+    """The config's `tools` map that leaves `tools` declared (with their group); ValueError naming an unknown tool."""
     unknown = sorted(set(tools) - set(TOOLS))
     if unknown:
         raise ValueError(f"harness.tools: OpenCode has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
     if "bash" not in tools:
         raise ValueError("harness.tools must keep bash: OpenCode's shell is how the agent acts")
-    return {t: False for t in TOOLS if t not in tools}
+    return {t: False for group in TOOL_GROUPS if not set(group) & set(tools) for t in group}
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
