@@ -15,17 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.proxy.anthropic_messages import AnthropicMessages
+from legorl.proxy.gemini import Gemini
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.wire import WireFormat
 from legorl.records import ToolCall
 
-FORMATS: dict[str, type[WireFormat]] = {f.name: f for f in (OpenAIChat, OpenAIResponses, AnthropicMessages)}
+FORMATS: dict[str, type[WireFormat]] = {f.name: f for f in (OpenAIChat, OpenAIResponses, AnthropicMessages, Gemini)}
 
 
 @dataclass
 class Message:
-    """One conversation item, normalised across OpenAI Chat, OpenAI Responses and Anthropic Messages."""
+    """One conversation item, normalised across OpenAI Chat, OpenAI Responses, Anthropic Messages and Gemini."""
 
     role: str  # system | user | assistant | tool
     text: str = ""
@@ -41,6 +42,8 @@ def _format(request: dict[str, Any], wire_format: str) -> type[WireFormat]:
     """The format of a body; an unknown one is guessed from its keys."""
     if wire_format in FORMATS:
         return FORMATS[wire_format]
+    if "contents" in request:
+        return Gemini
     return OpenAIResponses if "input" in request else OpenAIChat
 
 

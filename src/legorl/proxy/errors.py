@@ -47,3 +47,18 @@ def anthropic_error_body(e: ProxyError) -> dict:
         "context_overflow": "invalid_request_error", "engine_error": "api_error",
     }[e.kind]
     return {"type": "error", "error": {"type": type_, "message": e.message}}
+
+
+GOOGLE_STATUS = {
+    "invalid_request": "INVALID_ARGUMENT", "authentication": "UNAUTHENTICATED", "not_found": "NOT_FOUND",
+    "too_large": "INVALID_ARGUMENT", "context_overflow": "INVALID_ARGUMENT", "engine_error": "INTERNAL",
+}
+
+
+def gemini_error_body(e: ProxyError) -> dict:
+    """Google's error shape: {"error": {"code", "message", "status"}}, the field at fault in `details`."""
+    err: dict = {"code": e.status, "message": e.message, "status": GOOGLE_STATUS[e.kind]}
+    if e.param:
+        err["details"] = [{"@type": "type.googleapis.com/google.rpc.BadRequest",
+                           "fieldViolations": [{"field": e.param, "description": e.message}]}]
+    return {"error": err}

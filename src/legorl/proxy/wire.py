@@ -1,6 +1,6 @@
-"""What the three wire formats share: the answer they render, and the `WireFormat` base class.
+"""What the wire formats share: the answer they render, and the `WireFormat` base class.
 
-A wire format (openai_chat.py, openai_responses.py, anthropic_messages.py) does two things:
+A wire format (openai_chat.py, openai_responses.py, anthropic_messages.py, gemini.py) does two things:
 
 * **parse** a request body into a `ChatRequest` (request.py). The conversation part of that is
   two static methods, `conversation(body)` (the body's items in order, its top-level system prompt
@@ -62,6 +62,7 @@ class WireFormat:
     id_prefix: str  # of the answer's id
     tool_id_prefix = "call_"  # of the tool-call ids the proxy issues
     dialect: Dialect = OPENAI  # how request problems are worded
+    keepalive = ": keep-alive\n\n"  # what a slow stream sends meanwhile (an SSE comment)
 
     def __init__(self, tokenizer: Any = None, strict_fields: bool = True):
         self.strict_fields = strict_fields
