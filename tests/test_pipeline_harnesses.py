@@ -1,4 +1,4 @@
-"""The whole job at toy size through Claude Code, Codex and OpenCode: teacher demos through each CLI's
+"""The whole job at toy size through Claude Code, Codex, OpenCode and OpenHands: teacher demos through each CLI's
 own shell tool -> SFT -> eval -> RL step -> eval, every stage recorded and every call token-exact."""
 
 from __future__ import annotations
@@ -9,18 +9,20 @@ import pytest
 
 from legorl.config import load_config
 from legorl.harness.claude_code import NPM_BIN
+from legorl.harness.openhands import OPENHANDS_PYTHON
 from legorl.models import load_tokenizer
 from legorl.pipeline import run_job
 from legorl.store import Store
 
 WIRE = {"claude-code": ("anthropic_messages", "Bash"), "codex": ("openai_responses", "exec_command"),
-        "opencode": ("openai_chat", "bash")}
-CLI = {"claude-code": "claude", "codex": "codex", "opencode": "opencode"}
+        "opencode": ("openai_chat", "bash"), "openhands": ("openai_chat", "terminal")}
+CLI = {"claude-code": NPM_BIN / "claude", "codex": NPM_BIN / "codex", "opencode": NPM_BIN / "opencode",
+       "openhands": OPENHANDS_PYTHON}
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex", "opencode"])
+@pytest.mark.parametrize("harness", ["claude-code", "codex", "opencode", "openhands"])
 def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
-    cli = NPM_BIN / CLI[harness]
+    cli = CLI[harness]
     if not cli.exists():
         pytest.skip(f"needs the pinned {harness} CLI (make setup-test)")
     wire, tool = WIRE[harness]

@@ -176,17 +176,17 @@ class SandboxConfig(_Section):
         return v
 
 
-HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode"]
+HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "openhands"]
 
 # What each harness can honour beyond the keys every harness reads (docs/configuration.md).
 _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "system_template": {"mini-swe-agent"},
     "max_consecutive_format_errors": {"mini-swe-agent"},
     "workers": {"mini-swe-agent"},
-    "system_prompt": {"claude-code", "codex", "opencode"},
+    "system_prompt": {"claude-code", "codex", "opencode", "openhands"},
     "append_system_prompt": {"claude-code", "codex"},
-    "tools": {"claude-code", "codex", "opencode"},
-    "extra_args": {"claude-code", "codex", "opencode"},
+    "tools": {"claude-code", "codex", "opencode", "openhands"},
+    "extra_args": {"claude-code", "codex", "opencode", "openhands"},
     "codex_config": {"codex"},
     "opencode_config": {"opencode"},
     "wire_format": {"opencode"},
@@ -197,8 +197,8 @@ class HarnessConfig(_Section):
     # One harness, or a list: each RL group runs one of them in turn, the trainer learns from all,
     # and evaluation reports each harness (docs/configuration.md, "harness").
     name: HarnessName | list[HarnessName] = "mini-swe-agent"
-    # mini-swe-agent: model calls; claude-code: --max-turns; codex and opencode (no such switch): the
-    # proxy ends the episode as max_turns when the harness asks for one call more.
+    # mini-swe-agent: model calls; claude-code: --max-turns; openhands: max_iteration_per_run; codex and
+    # opencode (no such switch): the proxy ends the episode as max_turns when the harness asks for one call more.
     step_limit: int = Field(6, gt=0)
     instance_template: str | None = None  # must mention {{task}} (mini-swe-agent) / {task} (CLIs)
     # mini-swe-agent only
@@ -206,9 +206,13 @@ class HarnessConfig(_Section):
     max_consecutive_format_errors: int = Field(2, ge=0)
     workers: int = Field(1, gt=0)  # long-lived harness worker processes
     # Claude Code, Codex and OpenCode, through their own switches (docs/harnesses/*.md)
-    system_prompt: str | None = None  # claude-code: --system-prompt; codex: its model instructions file; opencode: the build agent's prompt
+    # system_prompt -- claude-code: --system-prompt; codex: its model instructions file; opencode: the
+    # build agent's prompt; openhands: the SDK's Agent.system_prompt
+    system_prompt: str | None = None
     append_system_prompt: str | None = None  # claude-code: --append-system-prompt; codex: developer_instructions
-    tools: list[str] | None = None  # claude-code: --tools; codex, opencode: every other tool switched off in their config
+    # tools -- claude-code: --tools; codex, opencode: every other tool switched off in their config;
+    # openhands: the SDK tools the agent is given
+    tools: list[str] | None = None
     extra_args: list[str] = Field(default_factory=list)  # more command-line arguments for the CLI
     codex_config: dict[str, Any] = Field(default_factory=dict)  # codex: more config.toml keys (dotted)
     opencode_config: dict[str, Any] = Field(default_factory=dict)  # opencode: more JSON config, merged in

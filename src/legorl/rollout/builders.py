@@ -33,10 +33,11 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
     from legorl.harness.codex import CodexHarness
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
     from legorl.harness.opencode import OpenCodeHarness
+    from legorl.harness.openhands import OpenHandsHarness
 
     h = h or cfg.harness
     kw: dict[str, Any] = {"instance_template": h.instance_template} if h.instance_template else {}
-    if h.name in ("claude-code", "codex", "opencode"):
+    if h.name in ("claude-code", "codex", "opencode", "openhands"):
         kw.update(system_prompt=h.system_prompt, append_system_prompt=h.append_system_prompt, tools=h.tools,
                   extra_args=list(h.extra_args), timeout=cfg.rollout.agent_timeout)
     try:
@@ -44,6 +45,8 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
             return ClaudeCodeHarness(max_turns=h.step_limit, **kw)
         if h.name == "codex":
             return CodexHarness(max_calls=h.step_limit, config=dict(h.codex_config), **kw)
+        if h.name == "openhands":
+            return OpenHandsHarness(max_calls=h.step_limit, **kw)
         if h.name == "opencode":
             return OpenCodeHarness(max_calls=h.step_limit, config=dict(h.opencode_config), wire_format=h.wire_format,
                                    **kw)

@@ -128,7 +128,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                 ctx.sandbox, workspace=box_dir / "workspace", sandbox_dir=box_dir, label=ctx.label,
                 proxy_socket=ctx.proxy.unix_socket, relay_port=ctx.relay_port, hide_paths=ctx.hide_paths,
                 limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid,
-                cpus=task.limits.get("cpus"), image=task.image, environment=task.environment)
+                cpus=task.limits.get("cpus"), image=task.image, environment=task.environment,
+                visible_paths=getattr(agent, "visible_paths", ()))  # host paths the harness runs from
         except Exception as e:
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0

@@ -48,6 +48,7 @@ TOOL_STYLES = {
     "claude-code": ToolStyle("Bash", "command", None),
     "codex": ToolStyle("exec_command", "cmd", None),
     "opencode": ToolStyle("bash", "command", None),
+    "openhands": ToolStyle("terminal", "command", None),
 }
 
 

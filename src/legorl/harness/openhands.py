@@ -1,0 +1,105 @@
+"""OpenHands, unmodified, run INSIDE the rollout's sandbox through the OpenHands SDK's documented
+entry point: an `Agent` with the SDK's own tools (terminal, file_editor, task_tracker, ...) and a
+`Conversation` on /workspace, in the OpenHands environment's Python (3.12+; `make setup-test`
+builds it in .venv/openhands).
+
+Why the SDK and not the `openhands --headless` CLI: the CLI fixes its tools (terminal, file_editor,
+task_tracker, task), loads the public skills (a git clone from GitHub at every start) and offers
+no switch for the system prompt, so its first prompt (~59k tokens with the built-in tokenizer)
+cannot be shortened for a small model. The SDK builds the same agent, tools and prompt templates;
+`harness.tools` picks the tools, `harness.system_prompt` replaces the prompt (the SDK's own
+`Agent.system_prompt`). legorl's runner (harness/openhands_runner.py, written into the sandbox's
+/tmp) is the few lines of the SDK's quick-start; nothing of OpenHands is patched.
+
+It speaks Chat Completions, not streamed, through LiteLLM (`openai/<model>` at the session's relay
+URL). OpenHands has no turn limit of its own besides `max_iteration_per_run`: that is set to
+`max_calls`, which the proxy session enforces too. Exit status (rollout/outcomes.py): "Submitted"
+when the conversation finished, "LimitsExceeded" when its iteration budget ran out, else the
+status or error it reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json
+from legorl.sandbox.client import SandboxClient
+
+OPENHANDS_PYTHON = Path(__file__).resolve().parents[3] / ".venv" / "openhands" / "bin" / "python"
+RUNNER = Path(__file__).with_name("openhands_runner.py")
+RUNNER_IN_SANDBOX = "/tmp/.legorl-openhands/runner.py"
+# The SDK's tools an agent can be given (`finish` and `think` come with every agent).
+TOOLS = ("terminal", "file_editor", "task_tracker", "task")
+DEFAULT_TOOLS = ["terminal", "file_editor", "task_tracker"]  # the SDK's default CLI agent, without sub-agents
+
+
+@dataclass(kw_only=True)
+class OpenHandsHarness(SandboxedCLI):
+    """Harness protocol adapter for the OpenHands SDK's agent. `binary` is the OpenHands environment's
+    Python; `system_prompt` replaces the SDK's prompt; `tools` picks the SDK's tools."""
+
+    cli = "python"
+    max_calls: int = 30  # max_iteration_per_run, and the proxy session's turn limit
+    name: str = "openhands"
+    visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tools or ()) - set(TOOLS))
+        if unknown:
+            raise ValueError(f"harness.tools: OpenHands has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
+        if self.tools is not None and "terminal" not in self.tools:
+            raise ValueError("harness.tools must keep terminal: OpenHands's shell is how the agent acts")
+        if self.append_system_prompt is not None:
+            raise ValueError("harness.append_system_prompt: OpenHands has no such switch; use harness.system_prompt")
+
+    async def start(self) -> None:
+        python = Path(self.binary or OPENHANDS_PYTHON)
+        if not python.exists():
+            raise HarnessCrashed(f"the OpenHands environment's Python was not found at {python}: run `make "
+                                 "setup-test` (it builds .venv/openhands with Python 3.12), or set it as the binary")
+        probe = "import sys, openhands.sdk; print(sys.prefix); print(sys.base_prefix)"
+        r = await asyncio.to_thread(subprocess.run, [str(python), "-c", probe], capture_output=True, text=True,
+                                    timeout=120)
+        if r.returncode != 0:
+            raise HarnessCrashed(f"{python} cannot import the OpenHands SDK: {r.stderr[-1000:]}")
+        self.binary = str(python)  # not resolved: a venv's python finds its packages through its own path
+        self.visible_paths = tuple(os.path.realpath(p) for p in r.stdout.split())
+
+    def spec(self, run: HarnessRun) -> dict[str, object]:
+        return {"model": run.model_name, "base_url": run.relay_base.rstrip("/") + "/v1", "api_key": run.api_key,
+                "task": self.prompt(run), "tools": list(self.tools or DEFAULT_TOOLS),
+                "system_prompt": self.system_prompt, "max_iterations": self.max_calls, "timeout": self.timeout}
+
+    def env(self, run: HarnessRun) -> dict[str, str]:
+        env = {"LEGORL_OPENHANDS_SPEC": json.dumps(self.spec(run)), "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb",
+               "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of prices
+               "PYTHONWARNINGS": "ignore"}
+        return self.with_extra_env(env)
+
+    def command(self, run: HarnessRun) -> str:
+        return self.shell(RUNNER_IN_SANDBOX, *self.extra_args)
+
+    async def run(self, run: HarnessRun) -> HarnessResult:
+        if not run.relay_base:
+            return HarnessResult(exit_status="exited", n_calls=0,
+                                 error="HarnessRun.relay_base is empty: OpenHands runs inside the sandbox and needs "
+                                       "the relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
+        client = SandboxClient(run.control_socket)
+        await asyncio.to_thread(client.write_file, RUNNER_IN_SANDBOX, RUNNER.read_text())
+        output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
+        res = last_json(output, lambda o: "legorl_openhands" in o)
+        if res is None:
+            return HarnessResult(exit_status="exited", n_calls=0,
+                                 error=f"openhands exited with {rc} without a result line: {output[-2000:]}")
+        status, error = str(res["legorl_openhands"]), str(res.get("error") or "")
+        if status == "finished" and not error:
+            return HarnessResult(exit_status="Submitted", n_calls=0)
+        if status == "max_iterations":
+            return HarnessResult(exit_status="LimitsExceeded", n_calls=0, error=error)
+        return HarnessResult(exit_status=status or "error", n_calls=0, error=error or f"conversation {status}")
