@@ -9,6 +9,9 @@ NPM_PREFIX := $(VENV)/npm
 CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 OPENCODE_VERSION := 1.18.33
+OPENHANDS_VERSION := 1.16.0
+# OpenHands needs Python 3.12+: the first found on PATH, else in pyenv
+PYTHON312 ?= $(firstword $(foreach v,3.12 3.13,$(shell command -v python$(v) >/dev/null && python$(v) -c 'print(1)' >/dev/null 2>&1 && command -v python$(v))) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 HARNESS ?= mini-swe-agent
 DEMO_CONFIG := configs/$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)).yaml
 RUN_DIR ?= runs/demo-$(HARNESS)-$(shell date +%Y%m%d-%H%M%S)
@@ -34,7 +37,16 @@ $(VENV)/.setup: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[harness]'
 	@touch $@
 
-setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-test
+setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-openhands $(VENV)/.setup-test
+
+# OpenHands (its SDK and tools) in an environment of its own, with the Python it needs; uv resolves
+# its ~200 dependencies in seconds where pip backtracks for minutes
+$(VENV)/.setup-openhands: Makefile
+	@test -n "$(PYTHON312)" || { echo "OpenHands needs Python 3.12+: install one, or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	@test -x $(VENV)/openhands/bin/python || $(PYTHON312) -m venv $(VENV)/openhands
+	$(VENV)/openhands/bin/python -m pip install -q uv
+	$(VENV)/openhands/bin/uv pip install -q --python $(VENV)/openhands/bin/python openhands==$(OPENHANDS_VERSION)
+	@touch $@
 
 $(VENV)/.setup-clis: Makefile
 	$(call apt_need,node:nodejs npm:npm)
@@ -53,10 +65,10 @@ setup-sandbox-image:
 	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
 	bash scripts/sandbox-image.sh
 
-# make demo HARNESS=claude-code|codex|mixed: the same job through another harness, or one policy through
-# all three (configs/demo-mixed.yaml); the CLIs come from npm
-demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis)
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex or mixed)" >&2; exit 2; }
+# make demo HARNESS=claude-code|codex|opencode|openhands|mixed: the same job through another harness, or one
+# policy through three (configs/demo-mixed.yaml); the CLIs come from npm, OpenHands from PyPI
+demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands,$(HARNESS)),$(VENV)/.setup-openhands)
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands or mixed)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 

@@ -1,0 +1,123 @@
+"""OpenHands (the pinned SDK and tools in .venv/openhands), unmodified, in a real bubblewrap sandbox,
+through the proxy.
+
+The scripted engine plays a short episode (read a file with the terminal, edit it with the
+file_editor, run a check, finish) with the tools the SDK declares in its own Chat Completions
+request; the test checks the captured calls token by token, the edit in the workspace, that its
+iteration budget ends an episode as LimitsExceeded, and that an unknown tool is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from test_harness_claude_code import CALC, sandbox_kwargs, tool_names
+from test_proxy import check_fidelity
+
+from legorl.engine import ScriptedEngine
+from legorl.harness.base import HarnessRun
+from legorl.harness.openhands import OPENHANDS_PYTHON, OpenHandsHarness
+from legorl.models import render_tool_call_text
+from legorl.proxy.server import Proxy
+from legorl.records import Outcome
+from legorl.rollout.outcomes import EpisodeFacts, decide
+from legorl.sandbox import BwrapSandbox
+
+needs_openhands = pytest.mark.skipif(not OPENHANDS_PYTHON.exists() or shutil.which("bwrap") is None,
+                                     reason="needs the OpenHands environment (make setup-test) and bubblewrap")
+
+
+def make_script(tokenizer, seen: list[str]):
+    def script(i: int, prompt_ids: list[int]) -> str:
+        prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        seen.append(prompt)
+        step = prompt.count("<tool_response>")
+        if step == 0:
+            return "I will read the file.\n" + render_tool_call_text("terminal", {"command": "cat calc.py"})
+        if step == 1:
+            return render_tool_call_text("file_editor", {"command": "str_replace", "path": "/workspace/calc.py",
+                                                         "old_str": "return a - b", "new_str": "return a + b"})
+        if step == 2:
+            return render_tool_call_text("terminal", {"command": "python -c 'import calc; print(calc.add(2, 3))'"})
+        return "Fixed: add now returns a + b (checked: prints 5)."
+    return script
+
+
+async def run_openhands(tokenizer, tmp_path: Path, script, **harness_kw):
+    engine = ScriptedEngine(tokenizer)
+    calls = []
+    proxy = Proxy(engine, tokenizer, on_call=calls.append)
+    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text(CALC)
+    harness = OpenHandsHarness(timeout=300, **harness_kw)
+    await harness.start()
+    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-openhands",
+                                    proxy_socket=proxy.unix_socket, visible_paths=harness.visible_paths,
+                                    **sandbox_kwargs())
+    session = proxy.open_session("r1", max_calls=harness.max_calls)
+    engine.set_script("r1", script)
+    run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
+                     api_base=proxy.openai_base_url(session.token), api_key=session.token,
+                     model_name=proxy.model_name, control_socket=str(box.control_socket),
+                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{session.token}")
+    try:
+        result = await harness.run(run)
+    finally:
+        proxy.close_session(session.token)
+        await harness.close()
+        await box.close()
+        await proxy.stop()
+    return result, session, calls, (ws / "calc.py").read_text()
+
+
+@needs_openhands
+def test_openhands_plays_an_episode_through_the_proxy(tokenizer, tmp_path):
+    seen: list[str] = []
+    result, session, calls, calc = asyncio.run(run_openhands(
+        tokenizer, tmp_path, make_script(tokenizer, seen), tools=["terminal", "file_editor"]))
+    assert result.exit_status == "Submitted", (result, seen[-1][-3000:] if seen else None)
+    assert calc == CALC.replace("a - b", "a + b")
+    assert [t.name for c in calls for t in c.tool_calls] == ["terminal", "file_editor", "terminal"]
+    assert len(calls) == 4 and {c.wire_format for c in calls} == {"openai_chat"}  # no side call
+    assert tool_names(seen[0]) == {"terminal", "file_editor", "finish", "think"}  # the SDK adds finish, think
+    check_fidelity(tokenizer, calls)
+    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]  # one token-exact chain
+    assert "return a - b" in seen[1] and "5" in seen[3].split("<tool_response>")[-1]  # tool output reached it
+    outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
+    assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+
+
+@needs_openhands
+def test_its_iteration_budget_ends_an_openhands_episode_as_limits_exceeded(tokenizer, tmp_path):
+    def always_terminal(i, ids):
+        return render_tool_call_text("terminal", {"command": f"echo {i}"})
+    result, session, calls, _ = asyncio.run(run_openhands(tokenizer, tmp_path, always_terminal, max_calls=2,
+                                                          system_prompt="Fix the bug."))
+    assert result.exit_status == "LimitsExceeded" and "MaxIterationsReached" in result.error, result
+    assert len(calls) == 2 == session.n_calls
+    assert "Fix the bug." in calls[0].request["messages"][0]["content"][0]["text"]  # its prompt, replaced
+
+
+def test_start_finds_the_openhands_python_and_what_the_sandbox_must_show(tmp_path):
+    if not OPENHANDS_PYTHON.exists():
+        pytest.skip("needs the OpenHands environment (make setup-test)")
+    harness = OpenHandsHarness()
+    asyncio.run(harness.start())
+    assert harness.binary == str(OPENHANDS_PYTHON)
+    prefix, base = (Path(p) for p in harness.visible_paths)
+    assert prefix == OPENHANDS_PYTHON.parent.parent.resolve() and (base / "lib").is_dir()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"tools": ["terminal", "bash"]}, "OpenHands has no tool bash"),
+    ({"tools": ["file_editor"]}, "must keep terminal"),
+    ({"append_system_prompt": "x"}, "no such switch"),
+])
+def test_a_switch_openhands_cannot_honour_is_refused(kw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        OpenHandsHarness(**kw)
