@@ -49,6 +49,8 @@ def main() -> None:
         ("codex", "shortened (demo config)", codex, []),
         ("opencode", "its defaults", None, ["harness.name=opencode"]),
         ("opencode", "shortened (demo config)", ROOT / "configs" / "demo-opencode.yaml", []),
+        ("openhands", "its defaults", None, ["harness.name=openhands"]),
+        ("openhands", "shortened (demo config)", ROOT / "configs" / "demo-openhands.yaml", []),
     ]
     cases = [c for c in cases if not args.harness or c[0] in args.harness]
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
