@@ -9,43 +9,21 @@ model is reported as such (no_model_calls), never as a success.
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+from harness_episode import CALC, run_episode, sandbox_kwargs, tool_names
 from test_proxy import check_fidelity
 
-from legorl.engine import ScriptedEngine
-from legorl.harness.base import HarnessRun
 from legorl.harness.claude_code import NPM_BIN, ClaudeCodeHarness
 from legorl.models import render_tool_call_text
-from legorl.proxy.server import Proxy
 from legorl.records import Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
-from legorl.sandbox import BwrapSandbox
 
 pytestmark = pytest.mark.skipif(not (NPM_BIN / "claude").exists() or shutil.which("bwrap") is None,
                                 reason="needs the pinned Claude Code CLI (make setup-test) and bubblewrap")
-
-def sandbox_kwargs() -> dict:
-    """Stay the driver's uid where the sandbox supports choosing (root here: the host venv lives under /root)."""
-    return {"sandbox_uid": 0} if "sandbox_uid" in inspect.signature(BwrapSandbox.create).parameters else {}
-
-
-CALC = "def add(a, b):\n    return a - b\n"
-
-
-def tool_names(prompt: str) -> set[str]:
-    block = prompt.split("XML tags:\n<tools>", 1)[-1].split("\n</tools>", 1)[0]
-    names = set()
-    for line in block.splitlines():
-        if line.startswith("{"):
-            names.add(json.loads(line)["function"]["name"])
-    return names
-
 
 def make_script(tokenizer, seen: list[str]):
     """Decide each reply from the prompt: how many tool results came back so far in this conversation."""
@@ -70,32 +48,7 @@ def make_script(tokenizer, seen: list[str]):
 
 
 async def run_claude(tokenizer, tmp_path: Path, script, **harness_kw):
-    engine = ScriptedEngine(tokenizer)
-    calls = []
-    proxy = Proxy(engine, tokenizer, on_call=calls.append)
-    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text(CALC)
-    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-claude",
-                                    proxy_socket=proxy.unix_socket, **sandbox_kwargs())
-    harness = ClaudeCodeHarness(max_turns=8, timeout=240, **harness_kw)
-    await harness.start()
-    session = proxy.open_session("r1")
-    engine.set_script("r1", script)
-    token = session.token
-    run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
-                     api_base=proxy.openai_base_url(token), api_key=token, model_name=proxy.model_name,
-                     control_socket=str(box.control_socket),
-                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{token}")
-    try:
-        result = await harness.run(run)
-    finally:
-        proxy.close_session(session.token)
-        await harness.close()
-        await box.close()
-        await proxy.stop()
-    return result, session, calls, (ws / "calc.py").read_text()
+    return await run_episode(ClaudeCodeHarness(max_turns=8, timeout=240, **harness_kw), tokenizer, tmp_path, script)
 
 
 def test_claude_code_plays_an_episode_through_the_proxy(tokenizer, tmp_path):

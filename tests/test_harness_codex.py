@@ -13,18 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_harness_claude_code import CALC, sandbox_kwargs, tool_names
+from harness_episode import CALC, run_episode, tool_names
 from test_proxy import check_fidelity
 
-from legorl.engine import ScriptedEngine
-from legorl.harness.base import HarnessRun
 from legorl.harness.claude_code import NPM_BIN
 from legorl.harness.codex import CodexHarness, native_codex
 from legorl.models import render_tool_call_text
-from legorl.proxy.server import Proxy
 from legorl.records import Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
-from legorl.sandbox import BwrapSandbox
 
 pytestmark = pytest.mark.skipif(not (NPM_BIN / "codex").exists() or shutil.which("bwrap") is None,
                                 reason="needs the pinned Codex CLI (make setup-test) and bubblewrap")
@@ -51,31 +47,7 @@ def make_script(tokenizer, seen: list[str]):
 
 
 async def run_codex(tokenizer, tmp_path: Path, script, **harness_kw):
-    engine = ScriptedEngine(tokenizer)
-    calls = []
-    proxy = Proxy(engine, tokenizer, on_call=calls.append)
-    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text(CALC)
-    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-codex",
-                                    proxy_socket=proxy.unix_socket, **sandbox_kwargs())
-    harness = CodexHarness(timeout=240, retries=0, **harness_kw)
-    await harness.start()
-    session = proxy.open_session("r1")
-    engine.set_script("r1", script)
-    run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
-                     api_base=proxy.openai_base_url(session.token), api_key=session.token,
-                     model_name=proxy.model_name, control_socket=str(box.control_socket),
-                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{session.token}")
-    try:
-        result = await harness.run(run)
-    finally:
-        proxy.close_session(session.token)
-        await harness.close()
-        await box.close()
-        await proxy.stop()
-    return result, session, calls, (ws / "calc.py").read_text()
+    return await run_episode(CodexHarness(timeout=240, retries=0, **harness_kw), tokenizer, tmp_path, script)
 
 
 def test_codex_plays_an_episode_through_the_proxy(tokenizer, tmp_path):

@@ -15,18 +15,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_harness_claude_code import CALC, sandbox_kwargs, tool_names
+from harness_episode import CALC, run_episode, tool_names
 from test_proxy import check_fidelity
 
-from legorl.engine import ScriptedEngine
 from legorl.harness.base import HarnessRun
 from legorl.harness.in_sandbox import NPM_BIN
 from legorl.harness.opencode import TOOLS, OpenCodeHarness, opencode_config
 from legorl.models import render_tool_call_text
-from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
-from legorl.sandbox import BwrapSandbox
 
 needs_cli = pytest.mark.skipif(not (NPM_BIN / "opencode").exists() or shutil.which("bwrap") is None,
                                reason="needs the pinned OpenCode CLI (make setup-test) and bubblewrap")
@@ -54,31 +51,7 @@ def make_script(tokenizer, seen: list[str]):
 
 
 async def run_opencode(tokenizer, tmp_path: Path, script, **harness_kw):
-    engine = ScriptedEngine(tokenizer)
-    calls = []
-    proxy = Proxy(engine, tokenizer, on_call=calls.append)
-    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "calc.py").write_text(CALC)
-    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="test-opencode",
-                                    proxy_socket=proxy.unix_socket, **sandbox_kwargs())
-    harness = OpenCodeHarness(timeout=240, **harness_kw)
-    await harness.start()
-    session = proxy.open_session("r1", max_calls=harness.max_calls)
-    engine.set_script("r1", script)
-    run = HarnessRun(rollout_id="r1", task_text="add(2, 3) returns -1; it must return 5.",
-                     api_base=proxy.openai_base_url(session.token), api_key=session.token,
-                     model_name=proxy.model_name, control_socket=str(box.control_socket),
-                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{session.token}")
-    try:
-        result = await harness.run(run)
-    finally:
-        proxy.close_session(session.token)
-        await harness.close()
-        await box.close()
-        await proxy.stop()
-    return result, session, calls, (ws / "calc.py").read_text()
+    return await run_episode(OpenCodeHarness(timeout=240, **harness_kw), tokenizer, tmp_path, script)
 
 
 @needs_cli

@@ -16,7 +16,8 @@ import tomllib
 import anthropic
 import openai
 import pytest
-from test_harness_claude_code import CALC, run_claude, tool_names
+from harness_episode import CALC, tool_names
+from test_harness_claude_code import run_claude
 from test_harness_codex import run_codex
 from test_proxy import Harness as ProxyOnLoopback
 
@@ -31,8 +32,8 @@ from legorl.pipeline import StepResult, step_line
 from legorl.records import GraderReport, LLMCall, Outcome
 from legorl.rollout.builders import make_harness
 from legorl.rollout.outcomes import EpisodeFacts, decide
-from legorl.tasks import builtin_splits
 from legorl.rollout.teacher import DONE, SUBMIT, teacher_script
+from legorl.tasks import builtin_splits
 
 SHORT = "You are a coding agent. Fix the bug with the shell tool, then reply Done."
 CODEX_QUIET = {"skills.include_instructions": False, "include_environment_context": False,

@@ -1,0 +1,60 @@
+"""One scripted episode of an in-sandbox harness (Claude Code, Codex, OpenCode, OpenHands), for the
+conformance tests: the real harness in a real bubblewrap sandbox on a one-bug workspace, talking to
+the proxy over the relay, the scripted engine answering."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from legorl.engine import ScriptedEngine
+from legorl.harness.base import HarnessResult, HarnessRun
+from legorl.proxy.server import Proxy
+from legorl.proxy.sessions import Session
+from legorl.records import LLMCall
+from legorl.sandbox import BwrapSandbox
+
+CALC = "def add(a, b):\n    return a - b\n"
+TASK = "add(2, 3) returns -1; it must return 5."
+
+
+def sandbox_kwargs() -> dict:
+    """Stay the driver's uid where the sandbox supports choosing (root here: the host venv lives under /root)."""
+    return {"sandbox_uid": 0} if "sandbox_uid" in inspect.signature(BwrapSandbox.create).parameters else {}
+
+
+def tool_names(prompt: str) -> set[str]:
+    """The tools a rendered prompt declares."""
+    block = prompt.split("XML tags:\n<tools>", 1)[-1].split("\n</tools>", 1)[0]
+    return {json.loads(line)["function"]["name"] for line in block.splitlines() if line.startswith("{")}
+
+
+async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any,
+                      ) -> tuple[HarnessResult, Session, list[LLMCall], str]:
+    """Start `harness`, run one episode with `script` answering; its result, session, calls and calc.py after."""
+    engine = ScriptedEngine(tokenizer)
+    calls: list[LLMCall] = []
+    proxy = Proxy(engine, tokenizer, on_call=calls.append)
+    await proxy.start(unix_socket=tmp_path / "sock" / "proxy.sock")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text(CALC)
+    await harness.start()
+    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label=f"test-{harness.name}",
+                                    proxy_socket=proxy.unix_socket,
+                                    visible_paths=getattr(harness, "visible_paths", ()), **sandbox_kwargs())
+    session = proxy.open_session("r1", max_calls=getattr(harness, "max_calls", None))
+    engine.set_script("r1", script)
+    run = HarnessRun(rollout_id="r1", task_text=TASK, api_base=proxy.openai_base_url(session.token),
+                     api_key=session.token, model_name=proxy.model_name, control_socket=str(box.control_socket),
+                     relay_base=f"http://127.0.0.1:{box.relay_port}/s/{session.token}")
+    try:
+        result = await harness.run(run)
+    finally:
+        proxy.close_session(session.token)
+        await harness.close()
+        await box.close()
+        await proxy.stop()
+    return result, session, calls, (ws / "calc.py").read_text()
