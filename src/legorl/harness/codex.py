@@ -165,10 +165,8 @@ class CodexHarness(SandboxedCLI):
                           "-C", "/workspace", *self.extra_args, self.prompt(run))
 
     async def run(self, run: HarnessRun) -> HarnessResult:
-        if not run.relay_base:
-            return HarnessResult(exit_status="exited", n_calls=0,
-                                 error="HarnessRun.relay_base is empty: Codex runs inside the sandbox and needs the "
-                                       "relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
+        if (unstarted := self.missing_relay(run)) is not None:
+            return unstarted
         client = SandboxClient(run.control_socket)
         config = codex_config(run, retries=self.retries, extra=self.config_keys())
         await asyncio.to_thread(client.write_file, f"{CODEX_HOME}/config.toml", config)

@@ -1,4 +1,4 @@
-"""What the coding-agent CLIs that run INSIDE the rollout's sandbox share (Claude Code, Codex).
+"""What the coding-agent CLIs that run INSIDE the rollout's sandbox share (Claude Code, Codex, OpenCode, OpenHands).
 
 Each adapter is a `SandboxedCLI`: the CLI is found on the host (the host root is visible read-only
 inside the sandbox), its prompt is the task through `instance_template`, its environment is the
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from legorl.harness.base import HarnessCrashed, HarnessRun
+from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
 from legorl.sandbox.client import SandboxClient, SandboxError
 
 NPM_BIN = Path(__file__).resolve().parents[3] / ".venv" / "npm" / "node_modules" / ".bin"
@@ -86,6 +86,14 @@ class SandboxedCLI:
 
     async def close(self) -> None:
         return None
+
+    def missing_relay(self, run: HarnessRun) -> HarnessResult | None:
+        """The result of a run that cannot start: the CLI runs inside the sandbox and needs the relay URL."""
+        if run.relay_base:
+            return None
+        return HarnessResult(exit_status="exited", n_calls=0,
+                             error=f"HarnessRun.relay_base is empty: {getattr(self, 'name', self.cli)} runs inside the sandbox and needs the "
+                                   "relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
 
     def prompt(self, run: HarnessRun) -> str:
         return self.instance_template.replace("{task}", run.task_text)

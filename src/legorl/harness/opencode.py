@@ -116,10 +116,8 @@ class OpenCodeHarness(SandboxedCLI):
         return self.shell("run", "--format", "json", *self.extra_args, self.prompt(run))
 
     async def run(self, run: HarnessRun) -> HarnessResult:
-        if not run.relay_base:
-            return HarnessResult(exit_status="exited", n_calls=0,
-                                 error="HarnessRun.relay_base is empty: OpenCode runs inside the sandbox and needs "
-                                       "the relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
+        if (unstarted := self.missing_relay(run)) is not None:
+            return unstarted
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         events = [e for e in (json_line(line) for line in output.splitlines()) if e is not None]
         finished = [e["part"].get("reason", "") for e in events

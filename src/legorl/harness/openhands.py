@@ -48,6 +48,7 @@ class OpenHandsHarness(SandboxedCLI):
     max_calls: int = 30  # max_iteration_per_run, and the proxy session's turn limit
     name: str = "openhands"
     visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
+    runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tools or ()) - set(TOOLS))
@@ -70,6 +71,7 @@ class OpenHandsHarness(SandboxedCLI):
             raise HarnessCrashed(f"{python} cannot import the OpenHands SDK: {r.stderr[-1000:]}")
         self.binary = str(python)  # not resolved: a venv's python finds its packages through its own path
         self.visible_paths = tuple(os.path.realpath(p) for p in r.stdout.split())
+        self.runner = RUNNER.read_text()
 
     def spec(self, run: HarnessRun) -> dict[str, object]:
         return {"model": run.model_name, "base_url": run.relay_base.rstrip("/") + "/v1", "api_key": run.api_key,
@@ -86,12 +88,10 @@ class OpenHandsHarness(SandboxedCLI):
         return self.shell(RUNNER_IN_SANDBOX, *self.extra_args)
 
     async def run(self, run: HarnessRun) -> HarnessResult:
-        if not run.relay_base:
-            return HarnessResult(exit_status="exited", n_calls=0,
-                                 error="HarnessRun.relay_base is empty: OpenHands runs inside the sandbox and needs "
-                                       "the relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
+        if (unstarted := self.missing_relay(run)) is not None:
+            return unstarted
         client = SandboxClient(run.control_socket)
-        await asyncio.to_thread(client.write_file, RUNNER_IN_SANDBOX, RUNNER.read_text())
+        await asyncio.to_thread(client.write_file, RUNNER_IN_SANDBOX, self.runner)
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = last_json(output, lambda o: "legorl_openhands" in o)
         if res is None:
