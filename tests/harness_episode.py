@@ -45,7 +45,7 @@ async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any,
     box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label=f"test-{harness.name}",
                                     proxy_socket=proxy.unix_socket,
                                     visible_paths=getattr(harness, "visible_paths", ()), **sandbox_kwargs())
-    session = proxy.open_session("r1", max_calls=getattr(harness, "max_calls", None))
+    session = proxy.open_session("r1", max_calls=getattr(harness, "max_calls", None), call_kind=harness.call_kind)
     engine.set_script("r1", script)
     run = HarnessRun(rollout_id="r1", task_text=TASK, api_base=proxy.openai_base_url(session.token),
                      api_key=session.token, model_name=proxy.model_name, control_socket=str(box.control_socket),

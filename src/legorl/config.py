@@ -176,20 +176,21 @@ class SandboxConfig(_Section):
         return v
 
 
-HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "openhands"]
+HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"]
 
 # What each harness can honour beyond the keys every harness reads (docs/configuration.md).
 _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "system_template": {"mini-swe-agent"},
     "max_consecutive_format_errors": {"mini-swe-agent"},
     "workers": {"mini-swe-agent"},
-    "system_prompt": {"claude-code", "codex", "opencode", "openhands"},
+    "system_prompt": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
     "append_system_prompt": {"claude-code", "codex"},
-    "tools": {"claude-code", "codex", "opencode", "openhands"},
-    "extra_args": {"claude-code", "codex", "opencode", "openhands"},
+    "tools": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
+    "extra_args": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
     "codex_config": {"codex"},
     "opencode_config": {"opencode"},
     "wire_format": {"opencode"},
+    "settings": {"gemini-cli", "qwen-code"},
 }
 
 
@@ -216,6 +217,7 @@ class HarnessConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)  # more command-line arguments for the CLI
     codex_config: dict[str, Any] = Field(default_factory=dict)  # codex: more config.toml keys (dotted)
     opencode_config: dict[str, Any] = Field(default_factory=dict)  # opencode: more JSON config, merged in
+    settings: dict[str, Any] = Field(default_factory=dict)  # gemini-cli, qwen-code: more settings.json keys, merged in
     # opencode: the wire format its legorl provider speaks (the AI SDK package it uses)
     wire_format: Literal["openai_chat", "openai_responses", "anthropic_messages"] = "openai_chat"
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
@@ -333,6 +335,10 @@ class RolloutConfig(_Section):
     # delivered no patch; crediting its diff anyway rewards what it did after the fix (RL then learns
     # to stop submitting). false: grade the workspace diff however the episode ended.
     require_submit: bool = True
+    # A harness's side calls (titles, next-speaker and loop checks, memory agents, sub-agents) are recorded in
+    # side sessions of their rollout. true: they train too, with the rollout's advantage, each chain a sequence
+    # of its own; false: recorded and shown only.
+    train_side_calls: bool = False
     # What each outcome does: train (use the reward), mask (leave loss and baseline), retry (bounded).
     policies: dict[OutcomeName, Literal["train", "mask", "retry"]] = Field(default_factory=dict)
     max_retries: int = Field(2, ge=0)

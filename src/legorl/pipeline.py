@@ -327,9 +327,10 @@ class Driver:
         trained: list[tuple[str, int, float]] = []
         t = self.cfg.trainer
         for r, adv in trainable(rollouts, t.advantage, t.normalize_std):
-            built = build_sequences(r.id, r.calls, adv)
+            calls = r.calls + r.side_calls if self.cfg.rollout.train_side_calls else r.calls
+            built = build_sequences(r.id, calls, adv)
             seqs.extend(built)
-            all_calls.extend(r.calls)
+            all_calls.extend(calls)
             if built:
                 trained.append((r.id, len(built), adv))
         stats = merge_stats(all_calls, seqs) if seqs else {}

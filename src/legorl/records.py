@@ -33,6 +33,9 @@ GRADED_OUTCOMES = frozenset({Outcome.RESOLVED, Outcome.UNRESOLVED, Outcome.MAX_T
 # `LLMCall.finish_reason` of a call whose client went away before its answer (docs/proxy.md): the
 # generation was cancelled, no completion tokens are kept, and it is never trained on.
 ABANDONED = "abandoned"
+# The session of a rollout's own agent turns. A harness's side calls (a title, a next-speaker or loop check, a
+# memory agent, a sub-agent) are recorded in sessions of their own, named by the harness (Harness.call_kind).
+MAIN_SESSION = "main"
 
 
 @dataclass
@@ -89,6 +92,7 @@ class LLMCall:
     routed_experts: list[list[list[int]]] | None = None
     t_start: float = 0.0
     t_end: float = 0.0
+    session: str = MAIN_SESSION  # MAIN_SESSION, or the side session this call belongs to ("title", ...)
 
 
 @dataclass
@@ -127,8 +131,11 @@ class Rollout:
     weight_version_start: int = 0
     weight_version_end: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    calls: list[LLMCall] = field(default_factory=list)
+    calls: list[LLMCall] = field(default_factory=list)  # the main session's: the agent's own turns
     split: str = "train"
+    # Calls of its side sessions (titles, checks, sub-agents): recorded and shown, trained only with
+    # rollout.train_side_calls; they share the rollout's call indices.
+    side_calls: list[LLMCall] = field(default_factory=list)
 
 
 @dataclass

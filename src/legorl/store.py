@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
-from legorl.records import ABANDONED, GraderReport, LLMCall, Outcome, Rollout, ToolCall
+from legorl.records import ABANDONED, MAIN_SESSION, GraderReport, LLMCall, Outcome, Rollout, ToolCall
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -44,15 +44,17 @@ CREATE TABLE IF NOT EXISTS llm_calls (
     request_json TEXT, prompt_ids BLOB, completion_ids BLOB, completion_logprobs BLOB,
     finish_reason TEXT, weight_version INTEGER, completion_text TEXT, tool_calls_json TEXT,
     parent_index INTEGER, segment_break TEXT, naive_prompt_differs INTEGER,
-    sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL
+    sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL, session TEXT NOT NULL DEFAULT 'main'
 );
 CREATE INDEX IF NOT EXISTS llm_calls_rollout ON llm_calls(rollout_id);
 """
 
+Sessions = Literal["main", "side", "all"]  # which of a rollout's sessions a read returns
+
 _CALL_COLS = (
     "rollout_id, idx, wire_format, request_json, prompt_ids, completion_ids, completion_logprobs, "
     "finish_reason, weight_version, completion_text, tool_calls_json, parent_index, segment_break, "
-    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end"
+    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end, session"
 )
 
 
@@ -105,6 +107,9 @@ class Store:
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA busy_timeout=30000")
             self._conn.executescript(_SCHEMA)
+            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(llm_calls)")}
+            if "session" not in columns:  # a store written before side sessions: every call was the agent's
+                self._conn.execute(f"ALTER TABLE llm_calls ADD COLUMN session TEXT NOT NULL DEFAULT '{MAIN_SESSION}'")
             self._conn.commit()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -168,6 +173,7 @@ class Store:
             routes_to_blob(call.routed_experts),
             call.t_start,
             call.t_end,
+            call.session,
         )
         marks = ", ".join("?" * len(params))
         return self._write(f"INSERT INTO llm_calls ({_CALL_COLS}) VALUES ({marks})", params)
@@ -242,11 +248,12 @@ class Store:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def calls_for(self, rollout_id: str, abandoned: bool = False) -> list[LLMCall]:
-        """A rollout's answered calls in order (what outcomes and training read); with `abandoned`, also
-        the calls whose client went away before the answer (finish_reason ABANDONED, no completion)."""
+    def calls_for(self, rollout_id: str, abandoned: bool = False, sessions: Sessions = "main") -> list[LLMCall]:
+        """A rollout's answered calls in order, of its main session by default (what outcomes and training
+        read); with `abandoned`, also the calls whose client went away before the answer (finish_reason
+        ABANDONED, no completion); `sessions` "side" gives its side sessions' calls, "all" every call."""
         with self._lock:
-            return read_calls(self._conn, rollout_id, abandoned)
+            return read_calls(self._conn, rollout_id, abandoned, sessions)
 
     def rollout(self, rollout_id: str, with_calls: bool = True) -> Rollout | None:
         rows = self._query("SELECT * FROM rollouts WHERE id = ?", (rollout_id,))
@@ -254,8 +261,14 @@ class Store:
             return None
         r = _row_to_rollout(rows[0])
         if with_calls:
-            r.calls = self.calls_for(r.id)
+            self._load_calls(r)
         return r
+
+    def _load_calls(self, r: Rollout) -> None:
+        """`r.calls` (its main session's answered calls) and `r.side_calls`, in one read."""
+        calls = self.calls_for(r.id, sessions="all")
+        r.calls = [c for c in calls if c.session == MAIN_SESSION]
+        r.side_calls = [c for c in calls if c.session != MAIN_SESSION]
 
     def rollouts(
         self, step: int | None = None, split: str | None = None, with_calls: bool = False
@@ -272,7 +285,7 @@ class Store:
         out = [_row_to_rollout(row) for row in rows]
         if with_calls:
             for r in out:
-                r.calls = self.calls_for(r.id)
+                self._load_calls(r)
         return out
 
     def last_step(self) -> int | None:
@@ -420,27 +433,34 @@ class Store:
 # ---- reading calls on any connection to a store file (the dashboard opens its own: monitor/db.py) --------
 
 
-def read_calls(conn: sqlite3.Connection, rollout_id: str, abandoned: bool = True) -> list[LLMCall]:
+def read_calls(conn: sqlite3.Connection, rollout_id: str, abandoned: bool = True,
+               sessions: Sessions = "all") -> list[LLMCall]:
     """One rollout's calls in order, token arrays included; `abandoned=False` leaves out the calls whose
     client went away before the answer (finish_reason ABANDONED: an attempt that a retry may repeat
-    under the same index, never trained)."""
+    under the same index, never trained); `sessions` picks the main session's, the side sessions' or all."""
     cur = conn.cursor()
     cur.row_factory = sqlite3.Row
-    only = "" if abandoned else " AND finish_reason IS NOT ?"
-    params = (rollout_id,) if abandoned else (rollout_id, ABANDONED)
+    only, params = "", [rollout_id]
+    if not abandoned:
+        only += " AND finish_reason IS NOT ?"
+        params.append(ABANDONED)
+    if sessions != "all":
+        only += " AND session = ?" if sessions == "main" else " AND session != ?"
+        params.append(MAIN_SESSION)
     rows = cur.execute(f"SELECT {_CALL_COLS} FROM llm_calls WHERE rollout_id = ?{only} ORDER BY idx, id", params)
     return [_row_to_call(row) for row in rows.fetchall()]
 
 
 def read_light_calls(conn: sqlite3.Connection, rollout_ids: list[str]) -> dict[str, list[LLMCall]]:
-    """The calls of each rollout without their token arrays (request, text, tool calls, finish reason):
-    what behaviour analytics read, at a fraction of the cost."""
+    """The main-session calls of each rollout without their token arrays (request, text, tool calls, finish
+    reason): what behaviour analytics read, at a fraction of the cost."""
     out: dict[str, list[LLMCall]] = {rid: [] for rid in rollout_ids}
     for i in range(0, len(rollout_ids), 500):
         chunk = rollout_ids[i:i + 500]
         marks = ", ".join("?" * len(chunk))
         for r in conn.execute("SELECT rollout_id, idx, wire_format, request_json, finish_reason, completion_text, "
-                              f"tool_calls_json FROM llm_calls WHERE rollout_id IN ({marks}) ORDER BY idx, id", chunk):
+                              f"tool_calls_json FROM llm_calls WHERE rollout_id IN ({marks}) AND session = ? "
+                              "ORDER BY idx, id", [*chunk, MAIN_SESSION]):
             out[r[0]].append(LLMCall(
                 rollout_id=r[0], index=r[1], wire_format=r[2], request=json.loads(r[3] or "{}"),
                 prompt_ids=[], completion_ids=[], completion_logprobs=[], finish_reason=r[4] or "",
@@ -472,6 +492,7 @@ def _row_to_call(row: sqlite3.Row) -> LLMCall:
         routed_experts=blob_to_routes(row["routed_experts"]),
         t_start=row["t_start"] or 0.0,
         t_end=row["t_end"] or 0.0,
+        session=row["session"] or MAIN_SESSION,
     )
 
 

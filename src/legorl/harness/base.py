@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -38,5 +38,10 @@ class Harness(Protocol):
     async def start(self) -> None: ...
 
     async def run(self, run: HarnessRun) -> HarnessResult: ...
+
+    def call_kind(self, body: dict[str, Any]) -> str:
+        """The session a model request belongs to, from its body: MAIN_SESSION for the agent's own turns, or
+        the name of a side call (a title, a next-speaker check, a sub-agent), recorded in a session of its own."""
+        ...
 
     async def close(self) -> None: ...

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
+from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient, SandboxError
 
 NPM_BIN = Path(__file__).resolve().parents[3] / ".venv" / "npm" / "node_modules" / ".bin"
 DEFAULT_INSTANCE_TEMPLATE = "Fix this issue in the repository in the current directory.\n\n{task}"
+SIDE_SESSION = "side"  # a side call an adapter does not name more precisely
 
 
 def find_cli(name: str, explicit: str | None = None) -> str:
@@ -94,6 +96,11 @@ class SandboxedCLI:
         return HarnessResult(exit_status="exited", n_calls=0,
                              error=f"HarnessRun.relay_base is empty: {getattr(self, 'name', self.cli)} runs inside the sandbox and needs the "
                                    "relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
+
+    def call_kind(self, body: dict[str, Any]) -> str:
+        """The agent's own turns declare its tools (every CLI acts through them); a request without tools is a
+        side call (a title, a summary, a check), recorded in a side session. Adapters name theirs."""
+        return MAIN_SESSION if body.get("tools") else SIDE_SESSION
 
     def prompt(self, run: HarnessRun) -> str:
         return self.instance_template.replace("{task}", run.task_text)

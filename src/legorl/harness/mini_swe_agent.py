@@ -19,6 +19,7 @@ from typing import Any
 
 from legorl.config import HarnessConfig
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
+from legorl.records import MAIN_SESSION
 
 DEFAULT_SYSTEM_TEMPLATE = "You are a coding agent. Use the bash tool, one command per turn."
 DEFAULT_INSTANCE_TEMPLATE = (
@@ -128,6 +129,9 @@ class MiniSweAgentHarness:
             "env": {"timeout": int(self.command_timeout), "env": {"PAGER": "cat", "TQDM_DISABLE": "1"}},
             "model": {"observation_template": OBSERVATION_TEMPLATE},
         }
+
+    def call_kind(self, body: dict[str, Any]) -> str:
+        return MAIN_SESSION  # it makes no side calls: every request is a turn of its agent
 
     async def run(self, run: HarnessRun) -> HarnessResult:
         i = next(self._next) % len(self.workers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from legorl.monitor.behaviour import FORMAT_ERROR_FEEDBACK, analyse_turns, tool_
 from legorl.monitor.commands import classify_tool_call
 from legorl.monitor.db import RunDB
 from legorl.monitor.messages import conversation_items, new_messages
-from legorl.records import LLMCall
+from legorl.records import MAIN_SESSION, LLMCall
 
 MAX_PROMPT_CHARS = 40_000  # a segment start's full prompt can be long; the rest is elided
 
@@ -98,7 +99,8 @@ def call_view(call: LLMCall, start: int, decoder: TokenDecoder, feedback: list[A
                for m in feedback if m.role == "tool"]
     notes = [{"role": m.role, "text": m.text} for m in feedback if m.role != "tool"]
     return {
-        "index": call.index, "parent_index": call.parent_index, "segment_break": call.segment_break,
+        "index": call.index, "session": call.session, "parent_index": call.parent_index,
+        "segment_break": call.segment_break,
         "weight_version": call.weight_version, "finish_reason": call.finish_reason, "wire_format": call.wire_format,
         "sampled_from_policy": call.sampled_from_policy, "naive_prompt_differs": call.naive_prompt_differs,
         "duration_s": (call.t_end - call.t_start) if call.t_end and call.t_start else None,
@@ -121,13 +123,19 @@ def trajectory(db: RunDB, rollout_id: str, decoder: TokenDecoder) -> dict[str, A
     rollout = db.rollout(rollout_id)
     if rollout is None:
         return None
-    calls = db.calls(rollout_id)
-    by_index = {c.index: c for c in calls}
-    convs = [conversation_items(c.request, c.wire_format) for c in calls]
+    every = db.calls(rollout_id)
+    by_index = {c.index: c for c in every}
     views = []
-    for i, c in enumerate(calls):
-        feedback = new_messages(convs[i], convs[i + 1], calls[i + 1].wire_format) if i + 1 < len(calls) else []
-        views.append(call_view(c, new_prompt_start(c, by_index), decoder, feedback))
+    # Each session (the agent's, and each side session's: titles, checks, sub-agents) is its own conversation:
+    # what a call's next prompt added is read within its session; the views are shown in call order.
+    for name in dict.fromkeys(c.session for c in every):
+        chain = [c for c in every if c.session == name]
+        convs = [conversation_items(c.request, c.wire_format) for c in chain]
+        for i, c in enumerate(chain):
+            feedback = new_messages(convs[i], convs[i + 1], chain[i + 1].wire_format) if i + 1 < len(chain) else []
+            views.append(call_view(c, new_prompt_start(c, by_index), decoder, feedback))
+    views.sort(key=lambda v: v["index"])
+    calls = [c for c in every if c.session == MAIN_SESSION]
     b = analyse_turns(turns_from_calls(calls), tool_required(rollout.get("harness") or ""))
     lps = [x for c in calls for x in c.completion_logprobs]
     summary = {
@@ -137,5 +145,6 @@ def trajectory(db: RunDB, rollout_id: str, decoder: TokenDecoder) -> dict[str, A
         "segments": sum(1 for c in calls if c.parent_index is None or c.segment_break),
         "completion_tokens": len(lps), "mean_logprob": sum(lps) / len(lps) if lps else None,
         "weight_versions": sorted({c.weight_version for c in calls}),
+        "side_calls": dict(Counter(c.session for c in every if c.session != MAIN_SESSION)),
     }
     return {"rollout": rollout, "calls": views, "summary": summary}

@@ -205,17 +205,17 @@ class CallCore:
     def _abandon(self, session: Session, req: ChatRequest, bridged: BridgeResult | None, t_start: float) -> None:
         """Record an attempt whose client went away before its answer: no completion, never trained.
 
-        It takes the index the next answered call of the session will take (a retry of it), so the
+        It takes the index the next answered call of the rollout will take (a retry of it), so the
         answered calls stay 0..n-1; readers of answered calls leave it out (Store.calls_for)."""
         session.errors.append(ABANDONED)
         call = LLMCall(
-            rollout_id=session.rollout_id, index=session.n_calls, wire_format=req.wire_format, request=req.body,
+            rollout_id=session.rollout_id, index=session.index.next, wire_format=req.wire_format, request=req.body,
             prompt_ids=list(bridged.prompt_ids) if bridged is not None else [], completion_ids=[],
             completion_logprobs=[], finish_reason=ABANDONED, weight_version=getattr(self.engine, "weight_version", 0),
             completion_text="", parent_index=bridged.parent_index if bridged is not None else None,
             segment_break=bridged.segment_break if bridged is not None else None,
             naive_prompt_differs=bool(bridged.naive_differs) if bridged is not None else False,
-            t_start=t_start, t_end=time.time(),
+            t_start=t_start, t_end=time.time(), session=session.kind,
         )
         if self.on_call is not None:
             try:
@@ -245,13 +245,13 @@ class CallCore:
                   else "stop_sequence" if stop_sequence else "stop")
         first = j == 0
         call = LLMCall(
-            rollout_id=session.rollout_id, index=session.n_calls, wire_format=req.wire_format, request=req.body,
+            rollout_id=session.rollout_id, index=session.index.next, wire_format=req.wire_format, request=req.body,
             prompt_ids=bridged.prompt_ids, completion_ids=list(result.completion_ids),
             completion_logprobs=list(result.logprobs), finish_reason=result.finish_reason,
             weight_version=result.weight_version, completion_text=text, tool_calls=tool_calls,
             parent_index=bridged.parent_index, segment_break=bridged.segment_break if first else None,
             naive_prompt_differs=bridged.naive_differs, sampled_from_policy=result.sampled_from_policy,
-            routed_experts=result.routed_experts, t_start=t_start, t_end=t_end,
+            routed_experts=result.routed_experts, t_start=t_start, t_end=t_end, session=session.kind,
         )
         if self.on_call is not None:
             self.on_call(call)  # persisted before the harness sees the answer
@@ -267,6 +267,7 @@ class CallCore:
             tools_key=tools_key, reply=normalize_message(reply_message(content, tool_calls)),
             prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text))
         session.n_calls += 1
+        session.index.take()
         return Choice(call=call, content=content, tool_calls=tool_calls, finish=finish,
                       stop_sequence=stop_sequence)
 

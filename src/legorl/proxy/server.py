@@ -47,7 +47,7 @@ from legorl.proxy.gemini import Gemini
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.request import ChatRequest
-from legorl.proxy.sessions import Session, SessionRegistry, body_key
+from legorl.proxy.sessions import CallKind, Session, SessionRegistry, body_key
 from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
 from legorl.proxy.wire import Completion
 from legorl.records import LLMCall
@@ -157,8 +157,10 @@ class Proxy:
         self.unix_socket: Path | None = None
 
     # ---- sessions -------------------------------------------------------------------------------
-    def open_session(self, rollout_id: str, max_calls: int | None = None) -> Session:
-        return self.sessions.open(rollout_id, max_calls)
+    def open_session(self, rollout_id: str, max_calls: int | None = None, call_kind: CallKind | None = None,
+                     ) -> Session:
+        """A rollout's session; `call_kind` (the harness's) routes its side calls to side sessions."""
+        return self.sessions.open(rollout_id, max_calls, call_kind)
 
     def close_session(self, token: str) -> Session | None:
         return self.sessions.close(token)
@@ -179,15 +181,19 @@ class Proxy:
         calls = sum(s.n_calls for s in sessions)
         segments = sum(s.segments for s in sessions)
         errors: dict[str, int] = {}
+        side_calls: dict[str, int] = {}  # side sessions' calls by name (not in the counts above)
         for s in self.sessions.all():
             for e in s.errors:
                 errors[e] = errors.get(e, 0) + 1
+            for kind, side in s.sides.items():
+                side_calls[kind] = side_calls.get(kind, 0) + side.n_calls
         return {
             "calls": calls, "sessions": len(sessions), "segments": segments,
             "segments_per_rollout": segments / len(sessions) if sessions else 0.0,
             "bridge_hits": sum(s.bridge_hits for s in sessions),
             "drift_prevented": sum(s.drift_prevented for s in sessions),
             "retries_answered_from_record": sum(s.retries_answered for s in self.sessions.all()),
+            "side_calls": side_calls,
             "by_format": dict(self.core.by_format), "errors": errors,
             "encoder_cache": {"enabled": self.core.bridge.encoder.enabled, "hits": self.core.bridge.encoder.hits,
                               "misses": self.core.bridge.encoder.misses},
@@ -359,6 +365,7 @@ class Proxy:
             session = self._session(request)
             raw, body = await self._read_json(request)
             req = (parse or fmt.parse)(body, request.headers)
+            session = session.route(body)  # a side call (title, check, sub-agent) goes to its own session
             key = body_key(raw) if len(raw) <= HASH_INLINE_BYTES else await asyncio.to_thread(body_key, raw)
             key += "@" + req.model  # Gemini names the model in the path: another model is no retry
             del raw, body

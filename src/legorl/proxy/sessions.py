@@ -1,4 +1,10 @@
-"""Per-rollout proxy sessions: unguessable tokens, call history, what went wrong."""
+"""Per-rollout proxy sessions: unguessable tokens, call history, what went wrong.
+
+A rollout's session is its main agent's. A request the harness names as a side call (`call_kind`: a
+title, a next-speaker check, a sub-agent) goes to a side session of that name under the same token:
+its own history and token chain, its own counters, so it neither forks the agent's sequence nor
+counts against its turn limit. Every session of a rollout draws call indices from one counter.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,29 @@ import asyncio
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.proxy.bridge import PastCall
+from legorl.records import MAIN_SESSION
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass
+class CallIndex:
+    """The next call index of a rollout, shared by its main and side sessions."""
+
+    next: int = 0
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+# Names a request's session from its body, as the harness sent it: MAIN_SESSION or a side session's name.
+CallKind = Callable[[dict[str, Any]], str]
 
 
 @dataclass
@@ -33,6 +56,21 @@ class Session:
     drift_prevented: int = 0
     retries_answered: int = 0
     max_calls: int | None = None  # the harness's turn limit, where the harness has none of its own
+    kind: str = MAIN_SESSION
+    call_kind: CallKind | None = None  # main session: which session each request belongs to (None: all main)
+    sides: dict[str, Session] = field(default_factory=dict)  # main session: its side sessions by name
+    index: CallIndex = field(default_factory=CallIndex)
+
+    def route(self, body: dict[str, Any]) -> Session:
+        """The session a request belongs to: this one, or the side session `call_kind` names (opened on first use)."""
+        kind = self.call_kind(body) if self.call_kind is not None else MAIN_SESSION
+        if kind == MAIN_SESSION:
+            return self
+        side = self.sides.get(kind)
+        if side is None:
+            side = self.sides[kind] = Session(token=self.token, rollout_id=self.rollout_id, kind=kind,
+                                              index=self.index)
+        return side
 
 
 def body_key(raw: bytes) -> str:
@@ -46,9 +84,9 @@ class SessionRegistry:
         self._by_token: dict[str, Session] = {}
         self.closed: list[Session] = []  # kept for run statistics (counters only matter)
 
-    def open(self, rollout_id: str, max_calls: int | None = None) -> Session:
+    def open(self, rollout_id: str, max_calls: int | None = None, call_kind: CallKind | None = None) -> Session:
         token = secrets.token_urlsafe(24)
-        s = Session(token=token, rollout_id=rollout_id, max_calls=max_calls)
+        s = Session(token=token, rollout_id=rollout_id, max_calls=max_calls, call_kind=call_kind)
         self._by_token[token] = s
         return s
 
@@ -66,9 +104,10 @@ class SessionRegistry:
     def close(self, token: str) -> Session | None:
         s = self._by_token.pop(token, None)
         if s is not None:
-            s.closed = True
-            s.answered.clear()
-            s.responses.clear()
+            for x in (s, *s.sides.values()):
+                x.closed = True
+                x.answered.clear()
+                x.responses.clear()
             self.closed.append(_counters_only(s))
         return s
 
@@ -79,4 +118,5 @@ class SessionRegistry:
 def _counters_only(s: Session) -> Session:
     return Session(token=s.token, rollout_id=s.rollout_id, n_calls=s.n_calls, errors=list(s.errors),
                    closed=True, segments=s.segments, bridge_hits=s.bridge_hits,
-                   drift_prevented=s.drift_prevented, retries_answered=s.retries_answered)
+                   drift_prevented=s.drift_prevented, retries_answered=s.retries_answered, kind=s.kind,
+                   sides={k: _counters_only(x) for k, x in s.sides.items()})

@@ -264,7 +264,7 @@ class RayCluster:
 
     def _record(self, rollout: Rollout) -> None:
         self.store.upsert_rollout(rollout)
-        for call in rollout.calls:
+        for call in sorted(rollout.calls + rollout.side_calls, key=lambda c: c.index):
             self.store.add_call(call)
 
     async def run_episode(self, task: Task, *, step: int, group_id: str, sample_index: int,

@@ -136,7 +136,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
 
         if sandbox is not None:
             t1 = time.time()
-            session = ctx.proxy.open_session(rid, max_calls=getattr(agent, "max_calls", None))
+            session = ctx.proxy.open_session(rid, max_calls=getattr(agent, "max_calls", None), call_kind=agent.call_kind)
             run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
                              api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
                              model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket),
@@ -177,9 +177,11 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
         rollout.report = report
         rollout.outcome, rollout.outcome_reason = decide(facts, calls, report, ctx.require_submit)
         rollout.calls = calls
+        rollout.side_calls = ctx.store.calls_for(rid, sessions="side")
     except asyncio.CancelledError:
         rollout.outcome, rollout.outcome_reason = Outcome.AGENT_TIMEOUT, CANCELLED_REASON
         rollout.calls = ctx.store.calls_for(rid)
+        rollout.side_calls = ctx.store.calls_for(rid, sessions="side")
         raise
     finally:
         # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.

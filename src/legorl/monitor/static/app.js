@@ -169,6 +169,7 @@ async function trajectoryPage() {
     <span class="k">weight versions</span><span>${r.weight_version_start} → ${r.weight_version_end} (calls: ${s.weight_versions.join(", ") || "–"})</span>
     <span class="k">timings (s)</span><span>${Object.entries(t).map(([k, v]) => `${esc(k)} ${fmt(v)}`).join(" · ") || "–"}</span>
     <span class="k">calls · segments</span><span>${s.calls} calls · ${s.segments} segment(s) · ${s.completion_tokens} sampled tokens · mean logprob ${fmt(s.mean_logprob)}</span>
+    <span class="k">side calls</span><span id="side-calls">${Object.entries(s.side_calls || {}).map(([k, v]) => `${esc(k)} ${v}`).join(" · ") || "none"}</span>
     <span class="k">behaviour</span><span>${s.tool_calls} tool calls over ${s.turns} turns · ${s.text_only_turns} text-only · ${s.format_errors} format error(s) ·
       ${s.edits} edit(s), ${s.verified_edits} verified · submitted: ${s.submitted ? "yes" : "no"} · mix: ${esc(mix)}</span>
   </div></div>
@@ -177,8 +178,9 @@ async function trajectoryPage() {
     const seg = c.parent_index === null || c.segment_break;
     const comp = c.completion;
     const toks = comp.ids.map((tid, i) => `<span class="tok" data-c="${ci}" data-i="${i}" style="background:${shade(comp.logprobs[i] ?? 0)}">${esc(comp.pieces[i])}</span>`).join("");
-    out += `<div class="card call ${seg ? "seg" : ""}" id="call-${c.index}" data-call="${c.index}">
-      <div class="call-h"><b>call ${c.index}</b><span>weights v${c.weight_version}</span><span>finish: ${esc(c.finish_reason)}</span>
+    const side = c.session && c.session !== "main";
+    out += `<div class="card call ${seg ? "seg" : ""} ${side ? "side" : ""}" id="call-${c.index}" data-call="${c.index}">
+      <div class="call-h"><b>call ${c.index}</b>${side ? `<span class="pill" title="a side call of the harness, in a session of its own: not an agent turn">side: ${esc(c.session)}</span>` : ""}<span>weights v${c.weight_version}</span><span>finish: ${esc(c.finish_reason)}</span>
         <span>${esc(c.wire_format)}</span><span>prompt ${c.prompt_tokens} tok (new ${c.new_prompt_tokens})</span><span>completion ${comp.ids.length} tok</span>
         ${c.parent_index !== null ? `<span>extends call ${c.parent_index}</span>` : ""}${c.duration_s ? `<span>${fmt(c.duration_s)} s</span>` : ""}
         ${c.sampled_from_policy ? "" : '<span class="pill">not sampled from policy</span>'}${c.naive_prompt_differs ? '<span title="re-rendering the conversation would have produced different tokens; the bridge kept the sampled ones">bridge prevented drift</span>' : ""}</div>
