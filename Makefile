@@ -10,6 +10,8 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 OPENCODE_VERSION := 1.18.33
 OPENHANDS_VERSION := 1.16.0
+GEMINI_CLI_VERSION := 0.61.0
+QWEN_CODE_VERSION := 0.24.4
 # OpenHands needs Python 3.12+: the first found on PATH, else in pyenv
 PYTHON312 ?= $(firstword $(foreach v,3.12 3.13,$(shell command -v python$(v) >/dev/null && python$(v) -c 'print(1)' >/dev/null 2>&1 && command -v python$(v))) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 HARNESS ?= mini-swe-agent
@@ -51,7 +53,8 @@ $(VENV)/.setup-openhands: Makefile
 $(VENV)/.setup-clis: Makefile
 	$(call apt_need,node:nodejs npm:npm)
 	npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) \
-	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION) opencode-ai@$(OPENCODE_VERSION)
+	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION) opencode-ai@$(OPENCODE_VERSION) \
+	  @google/gemini-cli@$(GEMINI_CLI_VERSION) @qwen-code/qwen-code@$(QWEN_CODE_VERSION)
 	@touch $@
 
 $(VENV)/.setup-test: pyproject.toml Makefile
@@ -65,10 +68,10 @@ setup-sandbox-image:
 	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
 	bash scripts/sandbox-image.sh
 
-# make demo HARNESS=claude-code|codex|opencode|openhands|mixed: the same job through another harness, or one
+# make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed: the same job through another harness, or one
 # policy through three (configs/demo-mixed.yaml); the CLIs come from npm, OpenHands from PyPI
 demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands,$(HARNESS)),$(VENV)/.setup-openhands)
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands or mixed)" >&2; exit 2; }
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code or mixed)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 

@@ -144,7 +144,8 @@ def test_codex_shortened_by_its_own_config(tokenizer, tmp_path):
 # ---- the teacher plays each harness's own tool ------------------------------------------------------
 @pytest.mark.parametrize(("harness", "tool", "arg"), [("mini-swe-agent", "bash", "command"),
                                                       ("claude-code", "Bash", "command"),
-                                                      ("codex", "exec_command", "cmd")])
+                                                      ("codex", "exec_command", "cmd"),
+                                                      ("gemini-cli", "run_shell_command", "command")])
 def test_teacher_calls_each_harness_shell_tool(harness, tool, arg):
     task = builtin_splits(4, 0, 0)[0][0]
     turns = teacher_script(task, harness=harness)

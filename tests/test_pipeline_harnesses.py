@@ -1,4 +1,4 @@
-"""The whole job at toy size through Claude Code, Codex, OpenCode and OpenHands: teacher demos through each CLI's
+"""The whole job at toy size through Claude Code, Codex, OpenCode, OpenHands, Gemini CLI and Qwen Code: teacher demos through each CLI's
 own shell tool -> SFT -> eval -> RL step -> eval, every stage recorded and every call token-exact."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from legorl.pipeline import run_job
 from legorl.store import Store
 
 WIRE = {"claude-code": ("anthropic_messages", "Bash"), "codex": ("openai_responses", "exec_command"),
-        "opencode": ("openai_chat", "bash"), "openhands": ("openai_chat", "terminal")}
+        "opencode": ("openai_chat", "bash"), "openhands": ("openai_chat", "terminal"),
+        "gemini-cli": ("gemini", "run_shell_command"), "qwen-code": ("openai_chat", "run_shell_command")}
 CLI = {"claude-code": NPM_BIN / "claude", "codex": NPM_BIN / "codex", "opencode": NPM_BIN / "opencode",
-       "openhands": OPENHANDS_PYTHON}
+       "openhands": OPENHANDS_PYTHON, "gemini-cli": NPM_BIN / "gemini", "qwen-code": NPM_BIN / "qwen"}
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex", "opencode", "openhands"])
+@pytest.mark.parametrize("harness", ["claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"])
 def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
     cli = CLI[harness]
     if not cli.exists():

@@ -14,15 +14,17 @@ from legorl.rollout.teacher import CHECK, Slip, gold_line_edit, scripted_teacher
 TASKS = builtin_splits(48, 0, seed=3)[0]
 
 
+@pytest.mark.parametrize("harness", ["mini-swe-agent", "gemini-cli"])  # gemini-cli: no $(...), piped to xargs
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t.instance_id)
-def test_teacher_sed_turns_buggy_file_into_fixed_file(task, tmp_path):
+def test_teacher_sed_turns_buggy_file_into_fixed_file(task, harness, tmp_path):
     edit = gold_line_edit(task.patch)
     for path, text in task.files.items():  # the whole repo: the command finds the file itself
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     target = tmp_path / edit.path
     sed = next(json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", t, re.DOTALL).group(1))["arguments"]["command"]
-               for t in teacher_script(task) if "sed -i" in t)
+               for t in teacher_script(task, harness=harness) if "sed -i" in t)
+    assert ("$(" in sed) == (harness == "mini-swe-agent")
     subprocess.run(["bash", "-c", sed], cwd=tmp_path, check=True)
     gold = tmp_path / "gold"
     (gold / edit.path).parent.mkdir(parents=True)

@@ -31,13 +31,15 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
     """A harness (the configured one, or `h`): mini-swe-agent (Python API in a worker), or a CLI in the sandbox."""
     from legorl.harness.claude_code import ClaudeCodeHarness
     from legorl.harness.codex import CodexHarness
+    from legorl.harness.gemini_cli import GeminiCliHarness
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
     from legorl.harness.opencode import OpenCodeHarness
     from legorl.harness.openhands import OpenHandsHarness
+    from legorl.harness.qwen_code import QwenCodeHarness
 
     h = h or cfg.harness
     kw: dict[str, Any] = {"instance_template": h.instance_template} if h.instance_template else {}
-    if h.name in ("claude-code", "codex", "opencode", "openhands"):
+    if h.name in ("claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"):
         kw.update(system_prompt=h.system_prompt, append_system_prompt=h.append_system_prompt, tools=h.tools,
                   extra_args=list(h.extra_args), timeout=cfg.rollout.agent_timeout)
     try:
@@ -50,6 +52,10 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
         if h.name == "opencode":
             return OpenCodeHarness(max_calls=h.step_limit, config=dict(h.opencode_config), wire_format=h.wire_format,
                                    **kw)
+        if h.name == "gemini-cli":
+            return GeminiCliHarness(max_calls=h.step_limit, settings=dict(h.settings), **kw)
+        if h.name == "qwen-code":
+            return QwenCodeHarness(max_calls=h.step_limit, settings=dict(h.settings), **kw)
     except ValueError as e:  # a switch the harness cannot honour (an unknown tool, a value TOML cannot hold)
         raise ConfigError(str(e)) from None
     return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)

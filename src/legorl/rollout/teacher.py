@@ -41,6 +41,9 @@ class ToolStyle:
     tool: str  # the shell tool the harness declares
     arg: str  # its command argument
     submit: str | None  # the command that submits; None: a reply without a tool call ends the episode
+    # False where the shell tool refuses command substitution (Gemini CLI blocks `$(...)`): a file the
+    # command finds is piped to it through xargs instead.
+    substitution: bool = True
 
 
 TOOL_STYLES = {
@@ -49,6 +52,8 @@ TOOL_STYLES = {
     "codex": ToolStyle("exec_command", "cmd", None),
     "opencode": ToolStyle("bash", "command", None),
     "openhands": ToolStyle("terminal", "command", None),
+    "gemini-cli": ToolStyle("run_shell_command", "command", None, substitution=False),
+    "qwen-code": ToolStyle("run_shell_command", "command", None),
 }
 
 
@@ -249,7 +254,19 @@ def edited_line(task: Task, edit: LineEdit) -> int | None:
 
 
 def _turn(thought: str, command: str, style: ToolStyle = TOOL_STYLES["mini-swe-agent"]) -> str:
+    if not style.substitution:
+        command = piped(command)
     return f"{thought}\n{render_tool_call_text(style.tool, {style.arg: command})}"
+
+
+# `CMD $(grep -rl ...)[ && CHECK]`: a command on the files a grep finds, perhaps followed by a check.
+_FOUND_FILES = re.compile(r"^(?P<cmd>.+) \$\((?P<finder>grep -rl [^()]*)\)(?P<rest>( && .*)?)$", re.DOTALL)
+
+
+def piped(command: str) -> str:
+    """`CMD $(grep -rl ...)` as `grep -rl ... | xargs CMD`: the same command without command substitution."""
+    m = _FOUND_FILES.match(command)
+    return f"{m['finder']} | xargs {m['cmd']}{m['rest']}" if m else command
 
 
 def function_name(task: Task, edit: LineEdit) -> str:
