@@ -51,6 +51,10 @@ def main() -> None:
         ("opencode", "shortened (demo config)", ROOT / "configs" / "demo-opencode.yaml", []),
         ("openhands", "its defaults", None, ["harness.name=openhands"]),
         ("openhands", "shortened (demo config)", ROOT / "configs" / "demo-openhands.yaml", []),
+        ("gemini-cli", "its defaults", None, ["harness.name=gemini-cli"]),
+        ("gemini-cli", "shortened (demo config)", ROOT / "configs" / "demo-gemini-cli.yaml", []),
+        ("qwen-code", "its defaults", None, ["harness.name=qwen-code"]),
+        ("qwen-code", "shortened (demo config)", ROOT / "configs" / "demo-qwen-code.yaml", []),
     ]
     cases = [c for c in cases if not args.harness or c[0] in args.harness]
     print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
