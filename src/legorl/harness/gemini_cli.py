@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SIDE_SESSION, SandboxedCLI, exec_cli
+from legorl.harness.in_sandbox import SIDE_SESSION, SandboxedCLI, exec_cli, side_unless_tools
 from legorl.harness.opencode import merge
 from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient
@@ -98,8 +98,8 @@ class GeminiCliHarness(SandboxedCLI):
 
     def call_kind(self, body: dict[str, Any]) -> str:
         """Its checks ask for a JSON answer with no tools: named by the schema they ask for."""
-        if body.get("tools"):
-            return MAIN_SESSION
+        if (kind := side_unless_tools(body)) == MAIN_SESSION:
+            return kind
         config = body.get("generationConfig") or {}
         schema = json.dumps(config.get("responseJsonSchema") or config.get("responseSchema") or {})
         if "next_speaker" in schema:

@@ -69,6 +69,12 @@ async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: 
     return r.output, r.returncode
 
 
+def side_unless_tools(body: dict[str, Any]) -> str:
+    """The agent's own turns declare its tools (every CLI acts through them): a request without tools is a
+    side call (a title, a summary, a check), recorded in a side session. Adapters may name theirs."""
+    return MAIN_SESSION if body.get("tools") else SIDE_SESSION
+
+
 @dataclass(kw_only=True)
 class SandboxedCLI:
     """The switches every in-sandbox CLI adapter takes; subclasses set `cli` and build argv and env."""
@@ -98,9 +104,7 @@ class SandboxedCLI:
                                    "relay URL (http://127.0.0.1:<sandbox.relay_port>/s/<session>)")
 
     def call_kind(self, body: dict[str, Any]) -> str:
-        """The agent's own turns declare its tools (every CLI acts through them); a request without tools is a
-        side call (a title, a summary, a check), recorded in a side session. Adapters name theirs."""
-        return MAIN_SESSION if body.get("tools") else SIDE_SESSION
+        return side_unless_tools(body)
 
     def prompt(self, run: HarnessRun) -> str:
         return self.instance_template.replace("{task}", run.task_text)
