@@ -22,7 +22,7 @@ from legorl.harness.base import HarnessRun
 from legorl.harness.in_sandbox import NPM_BIN
 from legorl.harness.opencode import TOOLS, OpenCodeHarness, opencode_config
 from legorl.models import render_tool_call_text
-from legorl.records import GraderReport, Outcome
+from legorl.records import MAIN_SESSION, GraderReport, Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
 
 needs_cli = pytest.mark.skipif(not (NPM_BIN / "opencode").exists() or shutil.which("bwrap") is None,
@@ -71,6 +71,27 @@ def test_opencode_plays_an_episode_through_each_provider_format(tokenizer, tmp_p
     assert "Fixed" in result.messages[-1]["content"]
     outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
     assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+
+
+@needs_cli
+def test_its_title_call_when_enabled_is_a_side_session_of_its_own(tokenizer, tmp_path):
+    seen: list[str] = []
+    agent_script = make_script(tokenizer, seen)
+
+    def script(i: int, prompt_ids: list[int]) -> str:
+        if "title generator" in tokenizer.decode(prompt_ids, skip_special_tokens=False):
+            return "Fix add"
+        return agent_script(i, prompt_ids)
+
+    result, session, calls, calc = asyncio.run(run_opencode(
+        tokenizer, tmp_path, script, tools=["bash", "read", "edit"], config={"agent": {"title": {"disable": False}}}))
+    assert result.exit_status == "Submitted" and calc == CALC.replace("a - b", "a + b")
+    titles = [c for c in calls if c.session == "title"]
+    main = [c for c in calls if c.session == MAIN_SESSION]
+    assert len(titles) == 1 and not titles[0].request.get("tools") and len(main) == 4
+    assert session.n_calls == 4 and sorted(c.index for c in calls) == list(range(5))
+    assert [c.parent_index for c in main[1:]] == [c.index for c in main[:-1]]  # the agent's chain is whole
+    check_fidelity(tokenizer, calls)
 
 
 @needs_cli

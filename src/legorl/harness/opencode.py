@@ -6,8 +6,9 @@ packages OpenCode bundles, which sets the wire format (`@ai-sdk/openai-compatibl
 Completions, `@ai-sdk/openai`: Responses, `@ai-sdk/anthropic`: Messages), with the session token
 as its API key. Its prompt is shortened through the same config, never by patching it
 (docs/harnesses/opencode.md): `system_prompt` is the `build` agent's prompt, `tools` switches every
-other tool off. Its title generator (a side call before the first turn, no tools) is disabled, and
-so are its workspace snapshots (a git store of every step, of no use to a rollout).
+other tool off. Its title generator (a side call before the first turn, no tools) is disabled (when
+enabled through `config`, it is recorded in the rollout's `title` side session), and so are its
+workspace snapshots (a git store of every step, of no use to a rollout).
 
 OpenCode has no turn limit switch of its own: `max_calls` is enforced by the proxy session, which
 refuses the call past it and the episode ends as max_turns. Exit status (rollout/outcomes.py):
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line, side_unless_tools
+from legorl.records import MAIN_SESSION
 
 # The wire format a provider package speaks, as the proxy names it.
 WireFormat = Literal["openai_chat", "openai_responses", "anthropic_messages"]
@@ -36,6 +38,7 @@ PROVIDER_PACKAGES: dict[str, str] = {"openai_chat": "@ai-sdk/openai-compatible",
 TOOL_GROUPS = (("bash",), ("edit", "write"), ("glob",), ("grep",), ("read",), ("skill",), ("task",),
                ("todowrite",), ("webfetch",))
 TOOLS = tuple(t for group in TOOL_GROUPS for t in group)
+TITLE_AGENT = "You are a title generator"  # how its title agent's prompt begins
 
 
 def opencode_tool_switches(tools: list[str]) -> dict[str, bool]:
@@ -99,6 +102,12 @@ class OpenCodeHarness(SandboxedCLI):
             opencode_tool_switches(self.tools)  # an unknown tool fails at construction
         if self.append_system_prompt is not None:
             raise ValueError("harness.append_system_prompt: OpenCode has no such switch; use harness.system_prompt")
+
+    def call_kind(self, body: dict[str, Any]) -> str:
+        """Its title request (when `agent.title` is enabled) declares no tools and opens with its title agent's prompt."""
+        if (kind := side_unless_tools(body)) == MAIN_SESSION:
+            return kind
+        return "title" if TITLE_AGENT in json.dumps(body)[:4000] else kind
 
     def env(self, run: HarnessRun) -> dict[str, str]:
         config = opencode_config(run, wire_format=self.wire_format, system_prompt=self.system_prompt,
