@@ -151,6 +151,18 @@ def test_trajectory_tokens_tools_and_report(tmp_path: Path) -> None:
     assert t["summary"]["segments"] == 2 and t["summary"]["edits"] == 1
 
 
+def test_a_side_call_is_shown_in_order_but_kept_out_of_the_agents_chain(tmp_path: Path) -> None:
+    rid = hand_built(tmp_path)
+    store = Store(tmp_path / "store.sqlite")  # a title request between the agent's turns 0 and 1
+    title = {"messages": [{"role": "system", "content": "You are a title generator."}]}
+    store.add_call(LLMCall(rid, 3, "openai_chat", title, [11], [12], [-0.3], "stop", 3, "Fix x", session="title"))
+    store.close()
+    t = TestClient(create_app(tmp_path), base_url=LOCAL).get(f"/api/rollout/{rid}").json()
+    assert [(c["index"], c["session"]) for c in t["calls"]] == [(0, "main"), (1, "main"), (2, "main"), (3, "title")]
+    assert t["calls"][0]["tool_results"][0]["tool_call_id"] == "c0"  # read from the agent's next call, not the title
+    assert t["summary"]["side_calls"] == {"title": 1} and t["summary"]["calls"] == 3
+
+
 def test_live_reads_while_the_store_is_written(tmp_path: Path) -> None:
     hand_built(tmp_path)
     c = TestClient(create_app(tmp_path), base_url=LOCAL)
