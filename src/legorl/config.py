@@ -184,7 +184,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "max_consecutive_format_errors": {"mini-swe-agent"},
     "workers": {"mini-swe-agent"},
     "system_prompt": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
-    "append_system_prompt": {"claude-code", "codex"},
+    "append_system_prompt": {"claude-code", "codex", "qwen-code"},
     "tools": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
     "extra_args": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
     "codex_config": {"codex"},
