@@ -68,10 +68,10 @@ setup-sandbox-image:
 	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
 	bash scripts/sandbox-image.sh
 
-# make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed: the same job through another harness, or one
-# policy through three (configs/demo-mixed.yaml); the CLIs come from npm, OpenHands from PyPI
-demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands,$(HARNESS)),$(VENV)/.setup-openhands)
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code or mixed)" >&2; exit 2; }
+# make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed|published: the same job through another
+# harness, or one policy through three (configs/demo-mixed.yaml; published: OpenHands, OpenCode and Claude Code); the CLIs come from npm, OpenHands from PyPI
+demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands)
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 

@@ -57,15 +57,21 @@ def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
     assert report["fidelity"]["violations"] == 0 and report["llm_calls"] > 0
 
 
-def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir):
-    if not (NPM_BIN / "claude").exists() or not (NPM_BIN / "codex").exists():
-        pytest.skip("needs the pinned Claude Code and Codex CLIs (make setup-test)")
-    names = ["mini-swe-agent", "claude-code", "codex"]
+@pytest.mark.parametrize(("names", "overrides"), [
+    (["mini-swe-agent", "claude-code", "codex"], "{claude-code: {tools: [Bash]}, codex: {tools: [exec_command]}}"),
+    # the published mixed run (configs/demo-published.yaml)
+    (["openhands", "opencode", "claude-code"], "{openhands: {tools: [terminal]}, opencode: {tools: [bash]}, "
+                                               "claude-code: {tools: [Bash]}}"),
+], ids=["mini-claude-codex", "published"])
+def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir, names, overrides):
+    missing = [n for n in names if n in CLI and not CLI[n].exists()]
+    if missing:
+        pytest.skip(f"needs the pinned {', '.join(missing)} (make setup-test)")
     cfg = load_config(None, [
         f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
         "model.intermediate_size=128", "sampling.max_tokens=48", f"harness.name=[{', '.join(names)}]",
         "harness.step_limit=4", "harness.system_prompt=You are a coding agent. Fix the bug, then reply Done.",
-        "harness.overrides={claude-code: {tools: [Bash]}, codex: {tools: [exec_command]}}",
+        f"harness.overrides={overrides}",
         "tasks.n_train=6", "tasks.n_heldout=1", "rollout.tasks_per_step=3", "rollout.group_size=2",
         "sft.enabled=true", "sft.demos=3", "sft.epochs=1", "sft.batch_sequences=1", "eval.before_training=true",
         "eval.after_training=true", "monitor.dashboard=false",
