@@ -3,8 +3,9 @@
 The scripted engine plays a short episode (read a file, edit it, run a check, finish) with the tools
 Qwen Code declares in its own request; the test checks the captured calls token by token, the edit
 in the workspace, that no side call (memory agent, next-speaker check, summaries) reaches the model,
-that its own turn limit (and its loop guard) ends the episode as max_turns, and that a Qwen Code that
-never reaches its model is no_model_calls.
+that its own turn limit (and its loop guard) ends the episode as max_turns, that a prompt past the
+context is context_overflow with Qwen's compression request in a side session, and that a Qwen Code
+that never reaches its model is no_model_calls.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from harness_episode import CALC, run_episode, tool_names
 from test_proxy import check_fidelity
 
 from legorl.config import ConfigError, load_config
+from legorl.engine.base import ContextOverflowError
 from legorl.harness.base import HarnessRun
 from legorl.harness.in_sandbox import NPM_BIN
 from legorl.harness.qwen_code import PROMPT_FILE, SETTINGS_FILE, TOOLS, QwenCodeHarness, qwen_settings
 from legorl.models import render_tool_call_text
-from legorl.records import GraderReport, Outcome
+from legorl.records import MAIN_SESSION, GraderReport, Outcome
 from legorl.rollout.builders import make_harness
 from legorl.rollout.outcomes import EpisodeFacts, decide
 
@@ -112,6 +114,24 @@ def test_its_loop_guard_ends_an_episode_like_a_limit_not_a_crash(tokenizer, tmp_
 
 
 @needs_cli
+def test_a_prompt_past_the_context_is_context_overflow_and_its_compression_a_side_session(tokenizer, tmp_path):
+    # A refused prompt makes Qwen compress the conversation (no switch turns that off) and go on: the
+    # summary request is a side session, the rollout is masked as context_overflow, its turn limit ends it.
+    def script(i: int, ids: list[int]) -> str:
+        if len(ids) + 1 > 5000:
+            raise ContextOverflowError(f"prompt of {len(ids)} tokens")
+        return render_tool_call_text("run_shell_command", {"command": f"seq {i} 300"})
+    result, session, calls, _ = asyncio.run(run_qwen(tokenizer, tmp_path, script, max_calls=6,
+                                                     system_prompt="Fix it.", tools=["run_shell_command"]))
+    assert "context_overflow" in session.errors and result.exit_status == "LimitsExceeded", result
+    assert {c.session for c in calls} == {MAIN_SESSION, "compression"}
+    main = [c for c in calls if c.session == MAIN_SESSION]
+    assert len(main) == session.n_calls == 6
+    facts = EpisodeFacts(harness=result, proxy_calls=session.n_calls, proxy_errors=tuple(session.errors))
+    assert decide(facts, main, None)[0] == Outcome.CONTEXT_OVERFLOW
+
+
+@needs_cli
 def test_qwen_code_without_model_calls_is_no_model_calls(tokenizer, tmp_path):
     # Its base URL points nowhere and it does not retry: Qwen Code exits without reaching its model.
     result, session, calls, calc = asyncio.run(run_qwen(
@@ -141,6 +161,9 @@ def test_the_settings_switch_side_calls_and_tools_off_and_the_env_points_at_the_
     assert "--system-prompt 'Be brief.' --append-system-prompt Really. --bare" in cmd
     assert cmd.endswith(f"< {PROMPT_FILE}") and "--approval-mode yolo" in cmd
     assert json.loads(QwenCodeHarness(max_calls=3).settings_json())["model"]["maxSessionTurns"] == 3
+    summary = {"messages": [{"role": "system", "content": "You are the component that summarizes a conversation ..."}]}
+    assert h.call_kind(summary) == "compression" and h.call_kind({"messages": []}) == "side"
+    assert h.call_kind({"messages": [], "tools": [{"type": "function"}]}) == MAIN_SESSION
 
 
 def test_the_config_builds_it_with_its_switches(tmp_path) -> None:

@@ -9,9 +9,11 @@ task repo (or one the agent writes) cannot override them. Tool approvals are off
 file, so no prompt text is ever read as a flag.
 
 Its side calls are switched off in the same settings (docs/harnesses/qwen-code.md): the background
-memory agents (extraction and "dream"), the next-speaker check, loop detection, tool-use
-summaries, follow-up suggestions; chat recording (which carries the session-title call), usage
-statistics, telemetry, auto-update and cross-session messaging are off too. Its prompt is
+memory agents (extraction and "dream"), the next-speaker check, tool-use summaries, follow-up
+suggestions; chat recording (which carries the session-title call), its opt-in loop heuristics,
+usage statistics, telemetry, auto-update and cross-session messaging are off too. Compression has no
+switch: when the proxy refuses a prompt as too long, Qwen asks for a summary (recorded as the
+`compression` side session) and goes on; the rollout is context_overflow. Its prompt is
 shortened through its own switches, never by patching it: `system_prompt` (--system-prompt),
 `append_system_prompt` (--append-system-prompt), `tools` (only these are registered: `tools.core`
 and `tools.disabled`) and `settings` (any other settings.json key, merged in last).
@@ -30,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, side_unless_tools
 from legorl.harness.opencode import merge
+from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient
 
 QWEN_DIR = "/tmp/.qwen-legorl"  # beside HOME=/tmp's .qwen, which Qwen fills with its own state
@@ -39,6 +42,7 @@ SETTINGS_FILE = f"{QWEN_DIR}/settings.json"
 PROMPT_FILE = f"{QWEN_DIR}/prompt.md"
 TURN_LIMIT_EXIT = 53  # FatalTurnLimitedError: "Reached max session turns for this session"
 LOOP_HALT = "Loop detection halted the run"
+COMPRESSION_PROMPT = "You are the component that summarizes a conversation"
 
 # The tools Qwen Code 0.24.4 registers; the first 14 are declared in its first request, the rest are
 # deferred behind tool_search / tool_call. The shell (run_shell_command) always stays.
@@ -101,6 +105,12 @@ class QwenCodeHarness(SandboxedCLI):
     def __post_init__(self) -> None:
         if self.tools is not None:
             qwen_tool_settings(self.tools)  # an unknown tool fails at construction
+
+    def call_kind(self, body: dict[str, Any]) -> str:
+        """Its compression request (no switch turns it off) declares no tools and opens with its summarizer's prompt."""
+        if (kind := side_unless_tools(body)) == MAIN_SESSION:
+            return kind
+        return "compression" if COMPRESSION_PROMPT in json.dumps(body)[:4000] else kind
 
     def settings_json(self) -> str:
         return json.dumps(qwen_settings(max_calls=self.max_calls, tools=self.tools, extra=self.settings), indent=1)
