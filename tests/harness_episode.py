@@ -9,11 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from test_proxy import check_fidelity
+
 from legorl.engine import ScriptedEngine
 from legorl.harness.base import HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.proxy.sessions import Session
-from legorl.records import LLMCall
+from legorl.records import LLMCall, Outcome
+from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.sandbox import BwrapSandbox
 
 CALC = "def add(a, b):\n    return a - b\n"
@@ -58,3 +61,15 @@ async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any,
         await box.close()
         await proxy.stop()
     return result, session, calls, (ws / "calc.py").read_text()
+
+
+def check_read_edit_check_episode(tokenizer: Any, result: HarnessResult, session: Session, calls: list[LLMCall],
+                                  seen: list[str]) -> None:
+    """What a scripted read, edit, check, reply episode must show through any CLI: every call token-exact, one
+    chain, the tool outputs reached the model, the final reply came back, and a valid episode up to grading."""
+    check_fidelity(tokenizer, calls)
+    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]  # one token-exact chain
+    assert "return a - b" in seen[1] and "5" in seen[3].split("<tool_response>")[-1]  # tool output reached it
+    assert "Fixed" in result.messages[-1]["content"]
+    outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
+    assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode

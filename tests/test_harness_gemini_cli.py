@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, run_episode, tool_names
+from harness_episode import CALC, check_read_edit_check_episode, run_episode, tool_names
 from test_proxy import check_fidelity
 
 from legorl.harness.base import HarnessRun
@@ -73,12 +73,7 @@ def test_gemini_cli_plays_an_episode_through_the_gemini_api(tokenizer, tmp_path)
     assert {c.session for c in calls} == {MAIN_SESSION} and result.n_calls == 4  # no side call by default
     assert tool_names(seen[0]) == {"run_shell_command", "read_file", "replace"}  # its tools.core allowlist
     assert SYSTEM in seen[0] and "Gemini CLI" not in seen[0].split("<tools>")[0]  # its prompt, replaced
-    check_fidelity(tokenizer, calls)
-    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]  # one token-exact chain
-    assert "return a - b" in seen[1] and "5" in seen[3].split("<tool_response>")[-1]  # tool output reached it
-    assert "Fixed" in result.messages[-1]["content"]
-    outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
-    assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+    check_read_edit_check_episode(tokenizer, result, session, calls, seen)
 
 
 @needs_cli

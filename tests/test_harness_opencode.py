@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, run_episode, tool_names
+from harness_episode import CALC, check_read_edit_check_episode, run_episode, tool_names
 from test_proxy import check_fidelity
 
 from legorl.harness.base import HarnessRun
@@ -65,12 +65,7 @@ def test_opencode_plays_an_episode_through_each_provider_format(tokenizer, tmp_p
     assert [t.name for c in calls for t in c.tool_calls] == ["read", "edit", "bash"]
     assert len(calls) == 4 and {c.wire_format for c in calls} == {wire_format}  # no title call
     assert tool_names(seen[0]) == {"bash", "read", "edit", "write"}  # edit and write come and go together
-    check_fidelity(tokenizer, calls)
-    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]  # one token-exact chain
-    assert "return a - b" in seen[1] and "5" in seen[3].split("<tool_response>")[-1]  # tool output reached it
-    assert "Fixed" in result.messages[-1]["content"]
-    outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
-    assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+    check_read_edit_check_episode(tokenizer, result, session, calls, seen)
 
 
 @needs_cli

@@ -110,5 +110,5 @@ def test_a_rollout_trains_its_side_calls_only_when_asked(tokenizer, train_side_c
                      outcome=Outcome.UNRESOLVED, calls=main, side_calls=side)
     driver = Driver.__new__(Driver)  # Driver.sequences reads only its config
     driver.cfg = load_config(None, [f"rollout.train_side_calls={str(train_side_calls).lower()}"])
-    seqs, _, trained = driver.sequences([solved, failed])
+    seqs, _, _ = driver.sequences([solved, failed])
     assert sorted(q.rollout_id for q in seqs) == (["o", "o", "r", "r"] if train_side_calls else ["o", "r"])

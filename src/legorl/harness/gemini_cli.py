@@ -88,13 +88,7 @@ class GeminiCliHarness(SandboxedCLI):
     name: str = "gemini-cli"
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.tools or ()) - set(TOOLS))
-        if unknown:
-            raise ValueError(f"harness.tools: Gemini CLI has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
-        if self.tools is not None and "run_shell_command" not in self.tools:
-            raise ValueError("harness.tools must keep run_shell_command: Gemini CLI's shell is how the agent acts")
-        if self.append_system_prompt is not None:
-            raise ValueError("harness.append_system_prompt: Gemini CLI has no such switch; use harness.system_prompt")
+        self.refuse_switches("Gemini CLI", TOOLS, "run_shell_command")
 
     def call_kind(self, body: dict[str, Any]) -> str:
         """Its checks ask for a JSON answer with no tools: named by the schema they ask for."""

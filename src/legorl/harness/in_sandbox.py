@@ -106,6 +106,17 @@ class SandboxedCLI:
     def call_kind(self, body: dict[str, Any]) -> str:
         return side_unless_tools(body)
 
+    def refuse_switches(self, label: str, known_tools: tuple[str, ...], shell: str) -> None:
+        """ValueError for a switch this CLI cannot honour: an unknown tool, a tool list without its shell (how
+        the agent acts), an appended system prompt (only Claude Code and Codex have that switch)."""
+        unknown = sorted(set(self.tools or ()) - set(known_tools))
+        if unknown:
+            raise ValueError(f"harness.tools: {label} has no tool {', '.join(unknown)} (known: {', '.join(known_tools)})")
+        if self.tools is not None and shell not in self.tools:
+            raise ValueError(f"harness.tools must keep {shell}: {label}'s shell is how the agent acts")
+        if self.append_system_prompt is not None:
+            raise ValueError(f"harness.append_system_prompt: {label} has no such switch; use harness.system_prompt")
+
     def prompt(self, run: HarnessRun) -> str:
         return self.instance_template.replace("{task}", run.task_text)
 

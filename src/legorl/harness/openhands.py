@@ -51,13 +51,7 @@ class OpenHandsHarness(SandboxedCLI):
     runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.tools or ()) - set(TOOLS))
-        if unknown:
-            raise ValueError(f"harness.tools: OpenHands has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
-        if self.tools is not None and "terminal" not in self.tools:
-            raise ValueError("harness.tools must keep terminal: OpenHands's shell is how the agent acts")
-        if self.append_system_prompt is not None:
-            raise ValueError("harness.append_system_prompt: OpenHands has no such switch; use harness.system_prompt")
+        self.refuse_switches("OpenHands", TOOLS, "terminal")
 
     async def start(self) -> None:
         python = Path(self.binary or OPENHANDS_PYTHON)
