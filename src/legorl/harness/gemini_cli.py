@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SIDE_SESSION, SandboxedCLI, exec_cli, side_unless_tools
-from legorl.harness.opencode import merge
+from legorl.harness.in_sandbox import SIDE_SESSION, SandboxedCLI, exec_cli, merge, side_unless_tools
 from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient
 

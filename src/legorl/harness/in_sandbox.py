@@ -69,6 +69,14 @@ async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: 
     return r.output, r.returncode
 
 
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged in, objects key by key (extra wins): a CLI's config with the user's keys."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def side_unless_tools(body: dict[str, Any]) -> str:
     """The agent's own turns declare its tools (every CLI acts through them): a request without tools is a
     side call (a title, a summary, a check), recorded in a side session. Adapters may name theirs."""

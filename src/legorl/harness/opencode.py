@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line, side_unless_tools
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line, merge, side_unless_tools
 from legorl.records import MAIN_SESSION
 
 # The wire format a provider package speaks, as the proxy names it.
@@ -49,14 +49,6 @@ def opencode_tool_switches(tools: list[str]) -> dict[str, bool]:
     if "bash" not in tools:
         raise ValueError("harness.tools must keep bash: OpenCode's shell is how the agent acts")
     return {t: False for group in TOOL_GROUPS if not set(group) & set(tools) for t in group}
-
-
-def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `extra` merged in, objects key by key (extra wins)."""
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def opencode_config(run: HarnessRun, *, wire_format: str = "openai_chat", system_prompt: str | None = None,

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, side_unless_tools
-from legorl.harness.opencode import merge
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, merge, side_unless_tools
 from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient
 
