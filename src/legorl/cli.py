@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from legorl.config import ConfigError, load_config
+from legorl.config import ConfigError, load_config, unpulled_model
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL for LLM coding agents inside the harnesses people already use.")
@@ -51,6 +51,8 @@ def train(
         cfg = load_config(config, list(ctx.args))
     except ConfigError as e:
         _fail(str(e))
+    if (why := unpulled_model(cfg)) is not None:
+        _fail(why)
     from legorl.pipeline import run_job
 
     console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
@@ -75,11 +77,13 @@ def evaluate(
     """Evaluate a model on a task split through the real harness: pass@1, pass@k, outcome counts."""
     overrides = list(ctx.args) + [f"eval.split={split}", f"eval.samples={samples}", "monitor.dashboard=false"]
     if model is not None:
-        overrides.append(f"model.path={model.resolve()}")
+        overrides += [f"model.path={model.resolve()}", "model.name=null"]  # --model wins over the config's
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
         _fail(str(e))
+    if (why := unpulled_model(cfg)) is not None:
+        _fail(why)
     from legorl.pipeline import Driver
 
     async def main() -> dict:
@@ -215,6 +219,9 @@ app.command("serve")(serve_command)
 from legorl.proxy.cli import proxy_command
 
 app.command("proxy")(proxy_command)
+from legorl.models.cli import models_app
+
+app.add_typer(models_app, name="models")
 
 
 def main() -> None:

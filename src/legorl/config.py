@@ -30,8 +30,14 @@ def _changed(section: BaseModel, *keys: str) -> list[str]:
     return [k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
 
 
+def pulled_model_dir(cache_dir: str | Path, name: str) -> Path:
+    """Where `legorl models pull NAME` puts a model by default: ``CACHE_DIR/models/NAME``."""
+    return Path(cache_dir).expanduser() / "models" / name
+
+
 class ModelConfig(_Section):
     path: str | None = None  # a local HF model directory; None builds the embedded tiny model
+    name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]*$")  # a pulled model (legorl models list)
     vocab_size: int = 4096
     hidden_size: int = 128
     num_layers: int = 4
@@ -527,6 +533,24 @@ class Config(_Section):
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
+    def _model_name_to_path(self) -> Config:
+        """`model.name` stands for the directory `legorl models pull NAME` fills under `run.cache_dir`.
+
+        That directory becomes `model.path`, so every part reads one key; a run's saved config.json has
+        both, which loads again (also on a host whose cache lies elsewhere: the same `models/NAME`)."""
+        name = self.model.name
+        if name is None:
+            return self
+        pulled = pulled_model_dir(self.run.cache_dir, name)
+        if self.model.path is None:
+            self.model.path = str(pulled)
+        elif Path(self.model.path).expanduser().parts[-2:] != ("models", name):
+            raise ValueError(f"model.name ({name}) and model.path ({self.model.path}) are both set: give one "
+                             "(model.name is a pulled model, see `legorl models list`; model.path any model "
+                             "directory)")
+        return self
+
+    @model_validator(mode="after")
     def _one_harness_with_ray(self) -> Config:
         if self.ray.address is not None and len(self.harness.names) > 1:
             raise ValueError("harness.name: a list of harnesses runs without Ray for now (ray.address: null)")
@@ -575,6 +599,17 @@ def _one_line(err: ValidationError, source: str) -> str:
     expected = first["msg"]
     got = first.get("input")
     return f"{source}: bad value for '{where}': {expected} (got {got!r})"
+
+
+def unpulled_model(cfg: Config) -> str | None:
+    """Why `model.name` cannot be used yet (its model is not pulled), with the command that fixes it."""
+    name = cfg.model.name
+    if name is None or cfg.model.path is None or (Path(cfg.model.path) / "config.json").is_file():
+        return None
+    where = Path(cfg.model.path).parent.parent  # CACHE_DIR of CACHE_DIR/models/NAME
+    flag = "" if where == Path(RunConfig().cache_dir).expanduser() else f" --cache-dir {where}"
+    return (f"model.name is {name} but {cfg.model.path} holds no model: pull it first with "
+            f"`legorl models pull {name}{flag}` (`legorl models list` names the models it knows)")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

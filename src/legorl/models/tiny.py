@@ -47,8 +47,8 @@ class ModelSpec(ModelConfig):
     moe_intermediate_size: int = 128
 
     def key(self) -> str:
-        """Stable hash of the recipe (``path`` is where a model is loaded from, not how one is built)."""
-        blob = json.dumps(self.model_dump(exclude={"path"}), sort_keys=True).encode()
+        """Stable hash of the recipe (``path``, ``name``: where a model is loaded from, not how one is built)."""
+        blob = json.dumps(self.model_dump(exclude={"path", "name"}), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
