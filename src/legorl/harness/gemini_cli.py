@@ -103,7 +103,7 @@ class GeminiCliHarness(SandboxedCLI):
 
     def env(self, run: HarnessRun) -> dict[str, str]:
         env = {"GOOGLE_GEMINI_BASE_URL": run.relay_base, "GEMINI_API_KEY": run.api_key, "HOME": HOME,
-               "GEMINI_CLI_NO_RELAUNCH": "true",  # no second Node process with a larger heap: half the start-up CPU
+               "GEMINI_CLI_NO_RELAUNCH": "true",  # no second Node process with a larger heap: a quarter of its CPU
                "NO_COLOR": "1", "TERM": "dumb"}
         if self.system_prompt is not None:
             env["GEMINI_SYSTEM_MD"] = SYSTEM_MD_PATH
