@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +71,10 @@ class ChatFormat:
     missing: tuple[str, ...] = ()  # what of a tool conversation the template does not render
     source: str = ""  # the template's file, for messages
 
-    @property
-    def template_renders_tools(self) -> bool:
-        return not self.missing
-
     def summary(self) -> dict[str, Any]:
-        """Plain data (for stats and logs)."""
-        d = asdict(self)
-        d["turn_end_ids"], d["stop_ids"], d["missing"] = list(self.turn_end_ids), list(self.stop_ids), list(self.missing)
-        return d
+        """What `proxy.stats()` shows of it."""
+        return {"end_of_turn": self.end_of_turn, "stop_ids": list(self.stop_ids), "tools": self.tools,
+                "missing": list(self.missing)}
 
     def warning(self) -> str | None:
         """What to tell the user at start-up, or None when the template renders everything itself."""
@@ -128,14 +123,16 @@ class ChatFormat:
                                   "(a probe reply is missing from its render)")
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         between = text[at + len(_REPLY):end]
-        found = [(between.find(t.content), t.content, i) for i, t in added.items() if t.content in between]
+        # (where, longest first): the earliest added token, the longest of those starting at the same place
+        found = [(between.find(t.content), -len(t.content), t.content, i) for i, t in added.items()
+                 if t.content and t.content in between]
         if not found:
             raise ChatFormatError(
                 f"the chat template ({source}) closes an assistant turn with {between!r}, which holds no "
                 f"added (special) token of the tokenizer in {where}: legorl needs a token that ends a turn, "
                 "to stop generation on and to find where a reply ends. Add the model's end-of-turn token to the "
                 "tokenizer as a special token, or use the template the model was trained with")
-        _, eot, eot_id = min(found)
+        _, _, eot, eot_id = min(found)
         eos_id = getattr(tokenizer, "eos_token_id", None)
         turn_end = [int(eot_id)]
         for i in [eos_id, *_generation_eos(folder)]:

@@ -205,8 +205,7 @@ class Proxy:
             "by_format": dict(self.core.by_format), "errors": errors,
             "encoder_cache": {"enabled": self.core.bridge.encoder.enabled, "hits": self.core.bridge.encoder.hits,
                               "misses": self.core.bridge.encoder.misses},
-            "chat_format": {"end_of_turn": self.chat_format.end_of_turn, "stop_ids": list(self.chat_format.stop_ids),
-                            "tools": self.chat_format.tools, "missing": list(self.chat_format.missing)},
+            "chat_format": self.chat_format.summary(),
         }
 
     # ---- weight updates: hold new calls, let in-flight ones finish --------------------------------
