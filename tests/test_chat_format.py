@@ -450,7 +450,7 @@ def test_template_without_tools_gets_legorls_tool_section(smol_tok, caplog):
         return calls, finishes, stats
 
     calls, finishes, stats = asyncio.run(main())
-    assert "does not render a tool list, tool calls" in caplog.text and "<tools></tools>" in caplog.text
+    assert "does not render a tool list and tool calls: legorl renders" in caplog.text and "<tools></tools>" in caplog.text
     assert stats["chat_format"]["tools"] == LEGORL
     assert finishes == ["tool_calls"] * 3 + ["stop"]
     assert [c.parent_index for c in calls] == [None, 0, 1, 2]
@@ -491,3 +491,11 @@ def test_template_without_an_end_of_turn_token_is_an_error(tmp_path):
     save_llama3_tokenizer(tmp_path, template="{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}")
     with pytest.raises(ChatFormatError, match="closes an assistant turn with '\\\\n\\\\nuser: '"):
         chat_format(load_tokenizer(tmp_path))
+
+
+def test_only_the_builtin_tokenizer_falls_back_to_the_builtin_template(tokenizer, tmp_path):
+    from legorl.models.chat_template import CHAT_TEMPLATE
+
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()  # a copy saved before tokenizers saved their template
+    assert load_tokenizer(tmp_path).chat_template == CHAT_TEMPLATE

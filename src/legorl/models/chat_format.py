@@ -47,8 +47,7 @@ LEGORL = "legorl"  # legorl renders them (the built-in template's syntax) around
 _TOOL = "legorl_probe_tool"
 _ARG, _VALUE = "legorl_probe_arg", "legorl-probe-value"
 _RESULT = "legorl probe tool result"
-_SYSTEM, _USER, _USER2, _REPLY = ("legorl probe system", "legorl probe user", "legorl probe next user",
-                                  "legorl probe reply")
+_USER, _USER2, _REPLY = "legorl probe user", "legorl probe next user", "legorl probe reply"
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": _TOOL, "description": "A probe tool.",
     "parameters": {"type": "object", "properties": {_ARG: {"type": "string"}}, "required": [_ARG]}}}]
@@ -80,7 +79,9 @@ class ChatFormat:
         """What to tell the user at start-up, or None when the template renders everything itself."""
         if self.tools != LEGORL:
             return None
-        return (f"the chat template ({self.source}) does not render {', '.join(self.missing)}: legorl renders the "
+        parts = list(self.missing)
+        what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+        return (f"the chat template ({self.source}) does not render {what}: legorl renders the "
                 "tool conversation itself (the tool list in the system message in <tools></tools>, tool calls as "
                 "<tool_call> JSON blocks, tool results as user turns in <tool_response> tags; parse tool calls "
                 "with the `tagged` parser). Put a template that renders tools into the model directory to use "
@@ -252,15 +253,15 @@ def _generation_eos(folder: Path | None) -> list[int]:
 
 def _missing_tool_parts(render: Any) -> list[str]:
     """Which parts of a tool conversation the template leaves out of its render (or fails on)."""
-    system, user = {"role": "system", "content": _SYSTEM}, {"role": "user", "content": _USER}
+    user = {"role": "user", "content": _USER}  # no system message: some templates refuse one
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": _TOOL, "arguments": {_ARG: _VALUE}}}]}
     result = {"role": "tool", "content": _RESULT, "tool_call_id": "call0probe"}
     missing = []
     listed = 0  # the tool's name as often as the tool list alone shows it: a rendered call adds one more
-    checks = [("a tool list", [system, user], True, lambda t: _TOOL in t),
-              ("tool calls", [system, user, call], False, lambda t: _VALUE in t and t.count(_TOOL) > listed),
-              ("tool results", [system, user, call, result], False, lambda t: _RESULT in t)]
+    checks = [("a tool list", [user], True, lambda t: _TOOL in t),
+              ("tool calls", [user, call], False, lambda t: _VALUE in t and t.count(_TOOL) > listed),
+              ("tool results", [user, call, result], False, lambda t: _RESULT in t)]
     for what, messages, gp, found in checks:
         try:
             text = render(messages, _PROBE_TOOLS, gp)
