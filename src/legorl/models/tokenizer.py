@@ -110,8 +110,18 @@ def build_tokenizer(cache_dir: Path | str, vocab_size: int = 4096) -> PreTrained
     return load_tokenizer(path) if path.exists() else fast
 
 
+def is_builtin(tokenizer: Any) -> bool:
+    """Whether `tokenizer` is the built-in one (its added tokens are exactly the built-in's)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {t.content for t in added.values()} == set(SPECIAL_TOKENS + TOOL_TOKENS)
+
+
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
+    """A tokenizer from a local directory. The built-in tokenizer gets its template when the directory has
+    none (copies saved before templates were saved); any other keeps what its directory holds, so a
+    checkpoint without a template is an error where a chat format is needed (models/chat_format.py),
+    never silently ChatML."""
     tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.chat_template is None:
+    if tok.chat_template is None and is_builtin(tok):
         tok.chat_template = CHAT_TEMPLATE
     return tok

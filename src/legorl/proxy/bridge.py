@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.records import ToolCall
 
 
@@ -281,17 +283,24 @@ NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not
 
 
 class TokenBridge:
-    def __init__(self, tokenizer: Any):
+    """Builds prompts (module docstring). The chat format (`legorl.models.chat_format`) says which token
+    closes a turn in the template's text, which sampled ids already closed the parent's reply, and
+    whether legorl writes the tool conversation around a template that cannot."""
+
+    def __init__(self, tokenizer: Any, chat_format: ChatFormat | None = None):
         self.tok = tokenizer
-        self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text)
+        self.format = chat_format if chat_format is not None else read_chat_format(tokenizer)
+        self.eos_text = self.format.end_of_turn  # the end-of-turn token as the template writes it
+        self.eos_id = self.format.end_of_turn_id
+        self.turn_end_ids = frozenset(self.format.turn_end_ids)
         self.encoder = CachedEncoder(tokenizer)
         self.renderer = TemplateRenderer(tokenizer)
         self._fast_ok = True
         self._fast_verify_left = 3
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        return self.renderer.render(template_messages(messages), tools, generation_prompt)
+        shaped, tools = self.format.prepare(template_messages(messages), tools)
+        return self.renderer.render(shaped, tools, generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.encoder.encode(text)
@@ -368,6 +377,8 @@ class TokenBridge:
         if end is None:
             return None
         # After the reply's end-of-turn: what the template puts there (e.g. "\n"), then the new turns.
-        closing = "" if past.completion_ids and past.completion_ids[-1] == self.eos_id else self.eos_text
+        # A reply that ended on a turn-ending id (the end-of-turn token, or an eos the model may sample in its
+        # place, e.g. Llama's <|eom_id|>) is closed already; one cut by max_tokens or a stop string is not.
+        closing = "" if past.completion_ids and past.completion_ids[-1] in self.turn_end_ids else self.eos_text
         tail = closing + full[end + len(self.eos_text):]
         return past.prompt_ids + past.completion_ids + self.encode(tail)

@@ -26,13 +26,15 @@ def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, 
     from legorl.config import ModelConfig
     from legorl.engine import LocalEngine, ScriptedEngine
     from legorl.models import ModelSpec, build_tokenizer, load_or_build, load_tokenizer
+    from legorl.models.chat_format import chat_format
 
     if engine == "local":
         # The built-in model gets the context `legorl train` gives it (model.max_position_embeddings)
         # unless --max-context says otherwise; a model directory keeps its own, capped by --max-context.
         spec = ModelSpec(max_position_embeddings=max_context or ModelConfig().max_position_embeddings)
         m, tok = load_or_build(model, spec, cache_dir)
-        return LocalEngine(m, tok, max_context=max_context), tok
+        fmt = chat_format(tok)  # the checkpoint's end-of-turn, stops, tools: a ChatFormatError names what is missing
+        return LocalEngine(m, tok, max_context=max_context, chat_format=fmt), tok
     tok = load_tokenizer(model) if model is not None else build_tokenizer(cache_dir, ModelSpec().vocab_size)
     replies = json.loads(script.read_text()) if script is not None else ["OK"]
     if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
@@ -79,9 +81,15 @@ def proxy_command(
     import asyncio
     import contextlib
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
-                           temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context))
+    from legorl.models.chat_format import ChatFormatError
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
+                               temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context))
+    except ChatFormatError as e:  # the checkpoint's template: what is missing and the fix, no traceback
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int, host: str,

@@ -19,6 +19,7 @@ from typing import Any
 
 from legorl.config import SamplingConfig
 from legorl.engine.base import ContextOverflowError
+from legorl.models.chat_format import ChatFormat
 from legorl.proxy.bridge import (
     BridgeResult,
     PastCall,
@@ -58,16 +59,18 @@ SamplingOverride = SamplingConfig
 
 class CallCore:
     def __init__(self, engine: Any, tokenizer: Any, *, sampling: SamplingOverride, parser: ToolCallParser,
-                 model_name: str, on_call: Callable[[LLMCall], None] | None):
+                 model_name: str, on_call: Callable[[LLMCall], None] | None, chat_format: ChatFormat | None = None):
         self.engine = engine
         self.tok = tokenizer
-        self.bridge = TokenBridge(tokenizer)
+        self.bridge = TokenBridge(tokenizer, chat_format)
+        self.format = self.bridge.format
         self.sampling = sampling
         self.parser = parser
         self.model_name = model_name
         self.on_call = on_call
         self.by_format: dict[str, int] = {}
-        self._special_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | {self.bridge.eos_id}
+        # a completion ending on one of these stopped on an end-of-turn / end-of-text token (not shown as text)
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", []) or []) | set(self.format.stop_ids)
         self._max_token_bytes: int | None = None  # computed on first need (max_token_bytes)
 
     def sampling_params(self, req: ChatRequest) -> SamplingParams:

@@ -40,6 +40,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from legorl.engine.base import Engine
+from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.proxy.anthropic_messages import AnthropicMessages
 from legorl.proxy.core import CallCore, SamplingOverride
 from legorl.proxy.errors import ProxyError, anthropic_error_body, gemini_error_body, openai_error_body
@@ -131,16 +133,22 @@ class Proxy:
                  model_name: str = "legorl-policy", on_call: Callable[[LLMCall], None] | None = None,
                  parser: ToolCallParser | None = None, accept_new_sessions: bool = False,
                  strict_fields: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-                 keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True):
+                 keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True, chat_format: ChatFormat | None = None):
         self.tok = tokenizer
         self.freeze_heap = freeze_heap
+        # The policy's chat format (end-of-turn, stops, who renders tools), read from its checkpoint once.
+        fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
+        if fmt.warning():
+            log.warning("%s", fmt.warning())
+        self.chat_format = fmt
         self.core = CallCore(engine, tokenizer, sampling=sampling or SamplingOverride(),
-                             parser=parser or TaggedJsonParser(), model_name=model_name, on_call=on_call)
+                             parser=parser or TaggedJsonParser(), model_name=model_name, on_call=on_call,
+                             chat_format=fmt)
         self.sessions = SessionRegistry(accept_new=accept_new_sessions)
-        self.chat = OpenAIChat(tokenizer, strict_fields)
-        self.responses = OpenAIResponses(tokenizer, strict_fields)
-        self.anthropic = AnthropicMessages(tokenizer, strict_fields)
-        self.gemini = Gemini(tokenizer, strict_fields)
+        self.chat = OpenAIChat(tokenizer, strict_fields, fmt)
+        self.responses = OpenAIResponses(tokenizer, strict_fields, fmt)
+        self.anthropic = AnthropicMessages(tokenizer, strict_fields, fmt)
+        self.gemini = Gemini(tokenizer, strict_fields, fmt)
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
         self._open = asyncio.Event()
@@ -197,6 +205,7 @@ class Proxy:
             "by_format": dict(self.core.by_format), "errors": errors,
             "encoder_cache": {"enabled": self.core.bridge.encoder.enabled, "hits": self.core.bridge.encoder.hits,
                               "misses": self.core.bridge.encoder.misses},
+            "chat_format": self.chat_format.summary(),
         }
 
     # ---- weight updates: hold new calls, let in-flight ones finish --------------------------------

@@ -18,6 +18,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.proxy.errors import ProxyError, openai_error_body
 from legorl.proxy.logprobs import TokenTexts
 from legorl.proxy.request import OPENAI, ChatRequest, Dialect, Problems, require_object
@@ -64,10 +66,13 @@ class WireFormat:
     dialect: Dialect = OPENAI  # how request problems are worded
     keepalive = ": keep-alive\n\n"  # what a slow stream sends meanwhile (an SSE comment)
 
-    def __init__(self, tokenizer: Any = None, strict_fields: bool = True):
+    def __init__(self, tokenizer: Any = None, strict_fields: bool = True, chat_format: ChatFormat | None = None):
         self.strict_fields = strict_fields
         self.texts = TokenTexts(tokenizer) if tokenizer is not None else None
-        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer is not None else None
+        if chat_format is None and tokenizer is not None:
+            chat_format = read_chat_format(tokenizer)
+        # the ids that close a turn (the checkpoint's end-of-turn and eos tokens): not part of the answer's tokens
+        self.turn_end_ids = frozenset(chat_format.turn_end_ids) if chat_format is not None else frozenset()
 
     def new_id(self) -> str:
         return new_id(self.id_prefix)
@@ -102,7 +107,7 @@ class WireFormat:
         """Logprob entries of the completion's tokens, the closing end-of-turn token left out."""
         assert self.texts is not None, "a wire format that renders logprobs needs the tokenizer"
         ids, lps = c.call.completion_ids, c.call.completion_logprobs
-        if ids and ids[-1] == self.eos_id:
+        if ids and ids[-1] in self.turn_end_ids:
             ids, lps = ids[:-1], lps[:-1]
         return self.texts.entries(ids, lps, req.top_logprobs)
 
