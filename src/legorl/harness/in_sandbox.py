@@ -77,6 +77,15 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_tools(label: str, tools: list[str], known_tools: tuple[str, ...], shell: str) -> None:
+    """ValueError naming a tool `label` (the CLI) does not have, or a list without its shell (how the agent acts)."""
+    unknown = sorted(set(tools) - set(known_tools))
+    if unknown:
+        raise ValueError(f"harness.tools: {label} has no tool {', '.join(unknown)} (known: {', '.join(known_tools)})")
+    if shell not in tools:
+        raise ValueError(f"harness.tools must keep {shell}: {label}'s shell is how the agent acts")
+
+
 def side_unless_tools(body: dict[str, Any]) -> str:
     """The agent's own turns declare its tools (every CLI acts through them): a request without tools is a
     side call (a title, a summary, a check), recorded in a side session. Adapters may name theirs."""
@@ -117,11 +126,8 @@ class SandboxedCLI:
     def refuse_switches(self, label: str, known_tools: tuple[str, ...], shell: str) -> None:
         """ValueError for a switch this CLI cannot honour: an unknown tool, a tool list without its shell (how
         the agent acts), an appended system prompt (only Claude Code and Codex have that switch)."""
-        unknown = sorted(set(self.tools or ()) - set(known_tools))
-        if unknown:
-            raise ValueError(f"harness.tools: {label} has no tool {', '.join(unknown)} (known: {', '.join(known_tools)})")
-        if self.tools is not None and shell not in self.tools:
-            raise ValueError(f"harness.tools must keep {shell}: {label}'s shell is how the agent acts")
+        if self.tools is not None:
+            check_tools(label, self.tools, known_tools, shell)
         if self.append_system_prompt is not None:
             raise ValueError(f"harness.append_system_prompt: {label} has no such switch; use harness.system_prompt")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line, merge, side_unless_tools
+from legorl.harness.in_sandbox import SandboxedCLI, check_tools, exec_cli, json_line, merge, side_unless_tools
 from legorl.records import MAIN_SESSION
 
 # The wire format a provider package speaks, as the proxy names it.
@@ -43,11 +43,7 @@ TITLE_AGENT = "You are a title generator"  # how its title agent's prompt begins
 
 def opencode_tool_switches(tools: list[str]) -> dict[str, bool]:
     """The config's `tools` map that leaves `tools` declared (with their group); ValueError naming an unknown tool."""
-    unknown = sorted(set(tools) - set(TOOLS))
-    if unknown:
-        raise ValueError(f"harness.tools: OpenCode has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
-    if "bash" not in tools:
-        raise ValueError("harness.tools must keep bash: OpenCode's shell is how the agent acts")
+    check_tools("OpenCode", tools, TOOLS, "bash")
     return {t: False for group in TOOL_GROUPS if not set(group) & set(tools) for t in group}
 
 

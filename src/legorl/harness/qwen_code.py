@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, merge, side_unless_tools
+from legorl.harness.in_sandbox import SandboxedCLI, check_tools, exec_cli, last_json, merge, side_unless_tools
 from legorl.records import MAIN_SESSION
 from legorl.sandbox.client import SandboxClient
 
@@ -68,11 +68,7 @@ QUIET: dict[str, Any] = {
 
 def qwen_tool_settings(tools: list[str]) -> dict[str, Any]:
     """Settings that register only `tools`; ValueError naming an unknown tool."""
-    unknown = sorted(set(tools) - set(TOOLS))
-    if unknown:
-        raise ValueError(f"harness.tools: Qwen Code has no tool {', '.join(unknown)} (known: {', '.join(TOOLS)})")
-    if "run_shell_command" not in tools:
-        raise ValueError("harness.tools must keep run_shell_command: Qwen Code's shell is how the agent acts")
+    check_tools("Qwen Code", tools, TOOLS, "run_shell_command")
     # tools.core is the allowlist; its control tools (agent, skill, tool_search, ...) ignore it, so
     # every other known tool is also unregistered by name.
     settings: dict[str, Any] = {"tools": {"core": list(tools), "disabled": [t for t in TOOLS if t not in tools]}}
