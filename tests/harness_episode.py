@@ -15,7 +15,7 @@ from legorl.engine import ScriptedEngine
 from legorl.harness.base import HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
 from legorl.proxy.sessions import Session
-from legorl.records import LLMCall, Outcome
+from legorl.records import MAIN_SESSION, LLMCall, Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.sandbox import BwrapSandbox
 
@@ -73,3 +73,18 @@ def check_read_edit_check_episode(tokenizer: Any, result: HarnessResult, session
     assert "Fixed" in result.messages[-1]["content"]
     outcome, _ = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, None)
     assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
+
+
+def check_side_session(tokenizer: Any, calls: list[LLMCall], session: Session, name: str, n_main: int,
+                       ) -> list[LLMCall]:
+    """A harness's side calls went to side session `name`: declaring no tools, not counted as the agent's turns,
+    in the rollout's one index space, the agent's `n_main` calls one whole token-exact chain. The agent's calls."""
+    main = [c for c in calls if c.session == MAIN_SESSION]
+    side = [c for c in calls if c.session != MAIN_SESSION]
+    assert len(main) == n_main and side and {c.session for c in side} == {name}
+    assert all(not c.request.get("tools") for c in side)
+    assert session.n_calls == n_main and session.sides[name].n_calls == len(side)  # not agent turns
+    assert sorted(c.index for c in calls) == list(range(len(calls)))  # one index space per rollout
+    assert [c.parent_index for c in main[1:]] == [c.index for c in main[:-1]]  # the agent's chain is whole
+    check_fidelity(tokenizer, calls)
+    return main

@@ -16,8 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, check_read_edit_check_episode, run_episode, tool_names
-from test_proxy import check_fidelity
+from harness_episode import CALC, check_read_edit_check_episode, check_side_session, run_episode, tool_names
 
 from legorl.harness.base import HarnessRun
 from legorl.harness.gemini_cli import GeminiCliHarness, gemini_settings, result_object
@@ -83,14 +82,7 @@ def test_its_next_speaker_check_is_a_side_session_of_its_own(tokenizer, tmp_path
         tokenizer, tmp_path, make_script(tokenizer, seen), tools=["run_shell_command", "read_file", "replace"],
         settings={"model": {"skipNextSpeakerCheck": False}}, max_calls=8))
     assert result.exit_status == "Submitted", (result, seen[-1][-3000:] if seen else None)
-    main = [c for c in calls if c.session == MAIN_SESSION]
-    side = [c for c in calls if c.session != MAIN_SESSION]
-    assert len(main) == 4 and side and {c.session for c in side} == {"next_speaker"}
-    assert all(not c.request.get("tools") for c in side)
-    assert session.n_calls == 4 and session.sides["next_speaker"].n_calls == len(side)  # not agent turns
-    assert sorted(c.index for c in calls) == list(range(len(calls)))  # one index space per rollout
-    assert [c.parent_index for c in main[1:]] == [c.index for c in main[:-1]]  # the agent's chain is whole
-    check_fidelity(tokenizer, calls)
+    main = check_side_session(tokenizer, calls, session, "next_speaker", n_main=4)
     # What trains by default: the agent's one sequence; with rollout.train_side_calls, the check is one more.
     assert len(build_sequences("r1", main, 1.0, include_unsampled=True)) == 1
     assert len(build_sequences("r1", calls, 1.0, include_unsampled=True)) == 2

@@ -15,14 +15,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, check_read_edit_check_episode, run_episode, tool_names
-from test_proxy import check_fidelity
+from harness_episode import CALC, check_read_edit_check_episode, check_side_session, run_episode, tool_names
 
 from legorl.harness.base import HarnessRun
 from legorl.harness.in_sandbox import NPM_BIN
 from legorl.harness.opencode import TOOLS, OpenCodeHarness, opencode_config
 from legorl.models import render_tool_call_text
-from legorl.records import MAIN_SESSION, GraderReport, Outcome
+from legorl.records import GraderReport, Outcome
 from legorl.rollout.outcomes import EpisodeFacts, decide
 
 needs_cli = pytest.mark.skipif(not (NPM_BIN / "opencode").exists() or shutil.which("bwrap") is None,
@@ -81,12 +80,8 @@ def test_its_title_call_when_enabled_is_a_side_session_of_its_own(tokenizer, tmp
     result, session, calls, calc = asyncio.run(run_opencode(
         tokenizer, tmp_path, script, tools=["bash", "read", "edit"], config={"agent": {"title": {"disable": False}}}))
     assert result.exit_status == "Submitted" and calc == CALC.replace("a - b", "a + b")
-    titles = [c for c in calls if c.session == "title"]
-    main = [c for c in calls if c.session == MAIN_SESSION]
-    assert len(titles) == 1 and not titles[0].request.get("tools") and len(main) == 4
-    assert session.n_calls == 4 and sorted(c.index for c in calls) == list(range(5))
-    assert [c.parent_index for c in main[1:]] == [c.index for c in main[:-1]]  # the agent's chain is whole
-    check_fidelity(tokenizer, calls)
+    check_side_session(tokenizer, calls, session, "title", n_main=4)
+    assert len([c for c in calls if c.session == "title"]) == 1
 
 
 @needs_cli

@@ -261,10 +261,10 @@ class Store:
             return None
         r = _row_to_rollout(rows[0])
         if with_calls:
-            self._load_calls(r)
+            self.load_calls(r)
         return r
 
-    def _load_calls(self, r: Rollout) -> None:
+    def load_calls(self, r: Rollout) -> None:
         """`r.calls` (its main session's answered calls) and `r.side_calls`, in one read."""
         calls = self.calls_for(r.id, sessions="all")
         r.calls = [c for c in calls if c.session == MAIN_SESSION]
@@ -285,7 +285,7 @@ class Store:
         out = [_row_to_rollout(row) for row in rows]
         if with_calls:
             for r in out:
-                self._load_calls(r)
+                self.load_calls(r)
         return out
 
     def last_step(self) -> int | None:

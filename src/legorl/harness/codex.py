@@ -18,7 +18,6 @@ Exit status (see rollout/outcomes.py): "Submitted" when the turn completed, else
 
 from __future__ import annotations
 
-import asyncio
 import json
 import platform
 from dataclasses import dataclass, field
@@ -26,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line
-from legorl.sandbox.client import SandboxClient
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, json_line, write_files
 
 CODEX_HOME = "/tmp/.codex-legorl"
 INSTRUCTIONS_FILE = f"{CODEX_HOME}/instructions.md"
@@ -167,11 +165,9 @@ class CodexHarness(SandboxedCLI):
     async def run(self, run: HarnessRun) -> HarnessResult:
         if (unstarted := self.missing_relay(run)) is not None:
             return unstarted
-        client = SandboxClient(run.control_socket)
-        config = codex_config(run, retries=self.retries, extra=self.config_keys())
-        await asyncio.to_thread(client.write_file, f"{CODEX_HOME}/config.toml", config)
-        if self.system_prompt is not None:
-            await asyncio.to_thread(client.write_file, INSTRUCTIONS_FILE, self.system_prompt)
+        await write_files(run, {f"{CODEX_HOME}/config.toml": codex_config(run, retries=self.retries,
+                                                                           extra=self.config_keys()),
+                                INSTRUCTIONS_FILE: self.system_prompt})
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         events = [e for e in (json_line(line) for line in output.splitlines()) if e is not None]
         kinds = [e.get("type") for e in events]

@@ -23,15 +23,20 @@ or "exited" when it printed no result.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SIDE_SESSION, SandboxedCLI, exec_cli, merge, side_unless_tools
+from legorl.harness.in_sandbox import (
+    SIDE_SESSION,
+    SandboxedCLI,
+    exec_cli,
+    merge,
+    side_unless_tools,
+    write_files,
+)
 from legorl.records import MAIN_SESSION
-from legorl.sandbox.client import SandboxClient
 
 HOME = "/tmp"  # the CLI's HOME inside the sandbox: its settings and the system prompt file go under it
 SETTINGS_PATH = f"{HOME}/.gemini/settings.json"
@@ -113,18 +118,12 @@ class GeminiCliHarness(SandboxedCLI):
         return self.shell("-m", run.model_name, "--approval-mode", "yolo", "--output-format", "json",
                           *self.extra_args, "-p", self.prompt(run))
 
-    async def write_config(self, run: HarnessRun) -> None:
-        """Its settings file (and system prompt file) in the sandbox's HOME, where it reads them."""
-        client = SandboxClient(run.control_socket)
-        settings = gemini_settings(max_calls=self.max_calls, tools=self.tools, extra=self.settings)
-        await asyncio.to_thread(client.write_file, SETTINGS_PATH, json.dumps(settings, indent=1))
-        if self.system_prompt is not None:
-            await asyncio.to_thread(client.write_file, SYSTEM_MD_PATH, self.system_prompt)
-
     async def run(self, run: HarnessRun) -> HarnessResult:
         if (unstarted := self.missing_relay(run)) is not None:
             return unstarted
-        await self.write_config(run)
+        settings = gemini_settings(max_calls=self.max_calls, tools=self.tools, extra=self.settings)
+        # its settings file (and system prompt file) in the sandbox's HOME, where it reads them
+        await write_files(run, {SETTINGS_PATH: json.dumps(settings, indent=1), SYSTEM_MD_PATH: self.system_prompt})
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = result_object(output)
         if res is None:

@@ -57,6 +57,17 @@ def last_json(output: str, predicate: Any = None) -> dict[str, Any] | None:
     return None
 
 
+async def write_files(run: HarnessRun, files: dict[str, str | None]) -> None:
+    """Write a CLI's config files into the rollout's sandbox before it starts (a None content is skipped)."""
+    client = SandboxClient(run.control_socket)
+    try:
+        for path, content in files.items():
+            if content is not None:
+                await asyncio.to_thread(client.write_file, path, content)
+    except SandboxError as e:
+        raise HarnessCrashed(f"the sandbox failed while the harness's files were written: {e}") from e
+
+
 async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: float) -> tuple[str, int]:
     """Run `command` inside the rollout's sandbox; TimeoutError when it ran out of time."""
     client = SandboxClient(run.control_socket)

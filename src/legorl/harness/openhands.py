@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json
-from legorl.sandbox.client import SandboxClient
+from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, write_files
 
 OPENHANDS_PYTHON = Path(__file__).resolve().parents[3] / ".venv" / "openhands" / "bin" / "python"
 RUNNER = Path(__file__).with_name("openhands_runner.py")
@@ -84,8 +83,7 @@ class OpenHandsHarness(SandboxedCLI):
     async def run(self, run: HarnessRun) -> HarnessResult:
         if (unstarted := self.missing_relay(run)) is not None:
             return unstarted
-        client = SandboxClient(run.control_socket)
-        await asyncio.to_thread(client.write_file, RUNNER_IN_SANDBOX, self.runner)
+        await write_files(run, {RUNNER_IN_SANDBOX: self.runner})
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = last_json(output, lambda o: "legorl_openhands" in o)
         if res is None:

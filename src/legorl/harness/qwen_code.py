@@ -26,15 +26,21 @@ success, "LimitsExceeded" when its turn limit (exit code 53) or its always-on lo
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.harness.base import HarnessResult, HarnessRun
-from legorl.harness.in_sandbox import SandboxedCLI, check_tools, exec_cli, last_json, merge, side_unless_tools
+from legorl.harness.in_sandbox import (
+    SandboxedCLI,
+    check_tools,
+    exec_cli,
+    last_json,
+    merge,
+    side_unless_tools,
+    write_files,
+)
 from legorl.records import MAIN_SESSION
-from legorl.sandbox.client import SandboxClient
 
 QWEN_DIR = "/tmp/.qwen-legorl"  # beside HOME=/tmp's .qwen, which Qwen fills with its own state
 SETTINGS_FILE = f"{QWEN_DIR}/settings.json"
@@ -131,9 +137,7 @@ class QwenCodeHarness(SandboxedCLI):
     async def run(self, run: HarnessRun) -> HarnessResult:
         if (unstarted := self.missing_relay(run)) is not None:
             return unstarted
-        client = SandboxClient(run.control_socket)
-        await asyncio.to_thread(client.write_file, SETTINGS_FILE, self.settings_json())
-        await asyncio.to_thread(client.write_file, PROMPT_FILE, self.prompt(run))
+        await write_files(run, {SETTINGS_FILE: self.settings_json(), PROMPT_FILE: self.prompt(run)})
         output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = last_json(output, lambda o: o.get("type") == "result")
         if rc == TURN_LIMIT_EXIT:  # it stops before the call past its limit, printing no result

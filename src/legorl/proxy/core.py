@@ -270,7 +270,7 @@ class CallCore:
             tools_key=tools_key, reply=normalize_message(reply_message(content, tool_calls)),
             prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text))
         session.n_calls += 1
-        session.index.take()
+        session.index.next += 1
         return Choice(call=call, content=content, tool_calls=tool_calls, finish=finish,
                       stop_sequence=stop_sequence)
 

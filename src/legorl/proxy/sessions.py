@@ -26,11 +26,7 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 class CallIndex:
     """The next call index of a rollout, shared by its main and side sessions."""
 
-    next: int = 0
-
-    def take(self) -> int:
-        self.next += 1
-        return self.next - 1
+    next: int = 0  # a call recorded takes it; an abandoned attempt leaves it to its retry
 
 
 # Names a request's session from its body, as the harness sent it: MAIN_SESSION or a side session's name.

@@ -168,20 +168,17 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                 facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
             await sandbox.close()
 
-        calls = ctx.store.calls_for(rid)
+        ctx.store.load_calls(rollout)  # its agent's calls (what outcomes read) and its side calls
         report = None
         if not facts.sandbox_error and facts.harness is not None and facts.proxy_calls > 0:
             t2 = time.time()
             report = await _grade(ctx, task, rollout.diff, box_dir / "grade", plan)
             rollout.timings["grading_s"] = time.time() - t2
         rollout.report = report
-        rollout.outcome, rollout.outcome_reason = decide(facts, calls, report, ctx.require_submit)
-        rollout.calls = calls
-        rollout.side_calls = ctx.store.calls_for(rid, sessions="side")
+        rollout.outcome, rollout.outcome_reason = decide(facts, rollout.calls, report, ctx.require_submit)
     except asyncio.CancelledError:
         rollout.outcome, rollout.outcome_reason = Outcome.AGENT_TIMEOUT, CANCELLED_REASON
-        rollout.calls = ctx.store.calls_for(rid)
-        rollout.side_calls = ctx.store.calls_for(rid, sessions="side")
+        ctx.store.load_calls(rollout)
         raise
     finally:
         # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.
