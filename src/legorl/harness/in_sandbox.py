@@ -58,14 +58,12 @@ def last_json(output: str, predicate: Any = None) -> dict[str, Any] | None:
 
 
 async def write_files(run: HarnessRun, files: dict[str, str | None]) -> None:
-    """Write a CLI's config files into the rollout's sandbox before it starts (a None content is skipped)."""
+    """Write a CLI's config files into the rollout's sandbox before it starts (a None content is skipped). A
+    SandboxError goes up as it is: the episode records the rollout as a sandbox_error (retried), not the harness's."""
     client = SandboxClient(run.control_socket)
-    try:
-        for path, content in files.items():
-            if content is not None:
-                await asyncio.to_thread(client.write_file, path, content)
-    except SandboxError as e:
-        raise HarnessCrashed(f"the sandbox failed while the harness's files were written: {e}") from e
+    for path, content in files.items():
+        if content is not None:
+            await asyncio.to_thread(client.write_file, path, content)
 
 
 async def exec_cli(run: HarnessRun, command: str, env: dict[str, str], timeout: float) -> tuple[str, int]:
