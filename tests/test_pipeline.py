@@ -45,6 +45,10 @@ def test_every_stage_produced_records(toy_run):
     assert on_disk["sft"]["sft/last_lr"] == pytest.approx(0.25e-3)
     assert on_disk["heldout_pass_at_1_before_rl"] is not None
     assert on_disk["heldout_pass_at_1_after_rl"] is not None
+    # why the held-out rollouts failed: one kind each, the shares summing to 1
+    kinds = {k: v for k, v in on_disk["after_rl"].items() if k.startswith("eval/heldout/failures/")}
+    assert len(kinds) == 7 and sum(kinds.values()) == pytest.approx(1.0)
+    assert kinds["eval/heldout/failures/resolved"] == pytest.approx(on_disk["heldout_pass_at_1_after_rl"])
 
     store = Store(run_dir / "store.sqlite")
     splits = {r.split for r in store.rollouts()}

@@ -33,6 +33,7 @@ from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
+from legorl.monitor.failures import failure_shares
 from legorl.monitor.loggers import make_loggers
 from legorl.monitor.server import serve_dashboard
 from legorl.records import Outcome, Rollout, TrainingSequence
@@ -461,7 +462,8 @@ class Driver:
     async def evaluate(self, step: int, tasks: list[Task] | None = None, samples: int | None = None,
                        split: str | None = None) -> dict[str, float]:
         """pass@1 (mean resolved rate) and pass@k (any of k samples resolved) on a split, through each
-        harness: `eval/SPLIT/HARNESS/...` with its behaviour, and `eval/SPLIT/...` over all of them."""
+        harness: `eval/SPLIT/HARNESS/...` with its behaviour and why rollouts failed (monitor/failures.py),
+        and `eval/SPLIT/...` over all of them."""
         split = split or self.cfg.eval.split
         tasks = tasks if tasks is not None else (self.heldout_tasks if split == "heldout" else self.train_tasks)
         k = samples or self.cfg.eval.samples
@@ -470,9 +472,11 @@ class Driver:
         rollouts = await self.rollouts(tasks * len(names), step, k, f"eval-{split}",
                                        harnesses=per_task if len(names) > 1 else None)
         by_harness = {name: [r for r in rollouts if r.harness == name] for name in names}
-        m = eval_metrics(rollouts, k, prefix=f"eval/{split}/")
+        by_id = {t.instance_id: t for t in tasks}
+        m = eval_metrics(rollouts, k, prefix=f"eval/{split}/") | failure_shares(rollouts, by_id, f"eval/{split}/")
         for name, rs in by_harness.items():
             m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
+            m.update(failure_shares(rs, by_id, f"eval/{split}/{name}/"))
             m.update({f"eval/{split}/{name}/{key}": v for key, v in behaviour_metrics(rs).items()})
         for key in ("pass_at_1", f"pass_at_{k}"):  # each harness weighs the same
             m[f"eval/{split}/{key}"] = sum(m[f"eval/{split}/{name}/{key}"] for name in names) / len(names)
