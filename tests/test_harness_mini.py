@@ -11,10 +11,11 @@ from legorl.config import HarnessConfig
 from legorl.engine import ScriptedEngine
 from legorl.grading.grader import EMPTY_PATCH_REASON
 from legorl.harness.mini_swe_agent import MiniSweAgentHarness
+from legorl.monitor.failures import failure_kind
 from legorl.proxy.server import Proxy
 from legorl.records import Outcome
 from legorl.rollout.episode import EpisodeContext, run_episode
-from legorl.rollout.teacher import teacher_script
+from legorl.rollout.teacher import scripted_teacher, teacher_script
 from legorl.store import Store
 from legorl.tasks import builtin_splits
 
@@ -77,3 +78,25 @@ def test_harness_without_model_calls_is_not_a_success(tokenizer, tmp_path):
                          grading_timeout=60)
     assert r.outcome == Outcome.NO_MODEL_CALLS, r.outcome_reason
     assert r.reward is None and r.report is None
+
+
+def test_text_mode_takes_the_command_from_a_bash_block(tokenizer, tmp_path):
+    """`harness.action_format: text`: no tool is declared; mini's text-based model runs the ```bash block of
+    each answer, and the scripted teacher writes its turns so; a reply with no block is mini's format error."""
+    task = builtin_splits(1, 0, seed=5)[0][0]
+    cfg = HarnessConfig(action_format="text", step_limit=8)
+    good = run_mini_episode(tokenizer, tmp_path / "good", task, cfg, label="t", agent_timeout=120,
+                            grading_timeout=60, script_for=scripted_teacher(check_edits=True))
+    assert good.outcome == Outcome.RESOLVED, (good.outcome_reason, good.report)
+    assert [c.parent_index for c in good.calls] == [None, 0, 1]  # read, sed, submit: one token-exact chain
+    for c in good.calls:
+        assert "tools" not in c.request and not c.tool_calls  # the command travels as text
+        assert "```bash\n" in c.completion_text
+    assert "```bash" in good.calls[0].request["messages"][0]["content"]  # the text-mode system prompt
+
+    prose = run_mini_episode(tokenizer, tmp_path / "prose", task, cfg, label="t", agent_timeout=120,
+                             grading_timeout=60, script_for=lambda t, h: ["```python\nprint(1)\n```"] * 3)
+    assert prose.outcome == Outcome.UNRESOLVED and prose.reward == 0.0
+    said = prose.calls[1].request["messages"][-1]["content"]
+    assert said.startswith("Format error: reply with exactly one bash command")
+    assert failure_kind(prose, task) == "format"

@@ -188,6 +188,7 @@ HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "ope
 _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "system_template": {"mini-swe-agent"},
     "max_consecutive_format_errors": {"mini-swe-agent"},
+    "action_format": {"mini-swe-agent"},
     "workers": {"mini-swe-agent"},
     "system_prompt": {"claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"},
     "append_system_prompt": {"claude-code", "codex", "qwen-code"},
@@ -212,6 +213,9 @@ class HarnessConfig(_Section):
     system_template: str | None = None  # None: legorl's short default (see harness/mini_swe_agent.py)
     max_consecutive_format_errors: int = Field(2, ge=0)
     workers: int = Field(1, gt=0)  # long-lived harness worker processes
+    # tool_calls: a `bash` tool (the model answers in its tool-call syntax); text: mini's text mode, one
+    # ```bash block a turn (for a model whose template has no tools, e.g. SmolLM2: docs/models.md)
+    action_format: Literal["tool_calls", "text"] = "tool_calls"
     # Claude Code, Codex and OpenCode, through their own switches (docs/harnesses/*.md)
     # system_prompt -- claude-code: --system-prompt; codex: its model instructions file; opencode: the
     # build agent's prompt; openhands: the SDK's Agent.system_prompt

@@ -34,6 +34,9 @@ class HarnessCrashed(Exception):
 
 class Harness(Protocol):
     name: str
+    # The scripted teacher's turns for this harness: a key of rollout/teacher.py's TOOL_STYLES (its name,
+    # or a variant such as mini-swe-agent's text mode).
+    teacher_style: str
 
     async def start(self) -> None: ...
 

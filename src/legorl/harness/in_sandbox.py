@@ -115,6 +115,10 @@ class SandboxedCLI:
     append_system_prompt: str | None = None
     tools: list[str] | None = None
 
+    @property
+    def teacher_style(self) -> str:
+        return self.name  # type: ignore[attr-defined]  # every adapter names itself
+
     async def start(self) -> None:
         self.binary = find_cli(self.cli, self.binary)
 

@@ -26,6 +26,16 @@ DEFAULT_INSTANCE_TEMPLATE = (
     "Fix this issue in the repository in the current directory.\n\n{{task}}\n\n"
     "When the fix is done, run exactly: echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 )
+# Text mode (`harness.action_format: text`): mini's text-based model finds the command in a fenced bash
+# block of the answer, the way instruct models write shell commands unprompted; no tool is declared.
+TEXT_SYSTEM_TEMPLATE = (
+    "You are a coding agent. Each reply: one short thought, then exactly one bash command in a block:\n"
+    "```bash\ncat file.py\n```"
+)
+TEXT_ACTION_REGEX = r"```bash\s*\n(.*?)\n```"
+TEXT_FORMAT_ERROR = (
+    "Format error: reply with exactly one bash command in a ```bash block; found {{actions|length}}."
+)
 # mini's default observation format, with the output capped so a long listing cannot
 # overflow a small model's context.
 OBSERVATION_TEMPLATE = (
@@ -106,6 +116,8 @@ class MiniSweAgentHarness:
 
     def __init__(self, cfg: HarnessConfig, *, command_timeout: float, log_dir: Path):
         self.cfg = cfg
+        self.text = cfg.action_format == "text"
+        self.teacher_style = "mini-swe-agent/text" if self.text else self.name
         self.command_timeout = command_timeout
         self.log_dir = log_dir
         self.workers: list[_Worker] = []
@@ -121,13 +133,17 @@ class MiniSweAgentHarness:
             "op": "run", "rollout_id": run.rollout_id, "task": run.task_text, "model_name": run.model_name,
             "api_base": run.api_base, "api_key": run.api_key, "control_socket": run.control_socket,
             "agent": {
-                "system_template": self.cfg.system_template or DEFAULT_SYSTEM_TEMPLATE,
+                "system_template": self.cfg.system_template or
+                (TEXT_SYSTEM_TEMPLATE if self.text else DEFAULT_SYSTEM_TEMPLATE),
                 "instance_template": self.cfg.instance_template or DEFAULT_INSTANCE_TEMPLATE,
                 "step_limit": self.cfg.step_limit, "cost_limit": 0.0,
                 "max_consecutive_format_errors": self.cfg.max_consecutive_format_errors,
             },
             "env": {"timeout": int(self.command_timeout), "env": {"PAGER": "cat", "TQDM_DISABLE": "1"}},
-            "model": {"observation_template": OBSERVATION_TEMPLATE},
+            "model": {"observation_template": OBSERVATION_TEMPLATE,
+                      **({"action_regex": TEXT_ACTION_REGEX, "format_error_template": TEXT_FORMAT_ERROR}
+                         if self.text else {})},
+            "text": self.text,
         }
 
     def call_kind(self, body: dict[str, Any]) -> str:

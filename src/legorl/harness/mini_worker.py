@@ -40,10 +40,12 @@ def _reply(obj: dict[str, Any]) -> None:
 def run_episode(req: dict[str, Any]) -> dict[str, Any]:
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.models.litellm_model import LitellmModel
+    from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
 
     from legorl.harness.mini_env import SandboxEnvironment
 
-    model = LitellmModel(
+    model_class = LitellmTextbasedModel if req.get("text") else LitellmModel  # mini's text mode: no tool
+    model = model_class(
         model_name=f"openai/{req['model_name']}",
         model_kwargs={"api_base": req["api_base"], "api_key": req["api_key"], "drop_params": True,
                       "timeout": req.get("call_timeout", 600)},
@@ -91,6 +93,7 @@ def main() -> None:
     _die_with_parent()
     import minisweagent.agents.default  # noqa: F401  (pay the import once, before saying ready)
     import minisweagent.models.litellm_model  # noqa: F401
+    import minisweagent.models.litellm_textbased_model  # noqa: F401
 
     _reply({"op": "ready", "pid": os.getpid()})
     for line in sys.stdin:

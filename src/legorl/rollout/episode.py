@@ -111,7 +111,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                       weight_version_start=ctx.proxy.engine.weight_version)
     ctx.store.upsert_rollout(rollout)
     if ctx.script_for is not None:
-        ctx.proxy.engine.set_script(rid, ctx.script_for(task, agent.name))
+        ctx.proxy.engine.set_script(rid, ctx.script_for(task, agent.teacher_style))
     plan = plan_for(ctx.faults, rid)
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)

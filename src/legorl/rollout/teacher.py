@@ -44,10 +44,13 @@ class ToolStyle:
     # False where the shell tool refuses command substitution (Gemini CLI blocks `$(...)`): a file the
     # command finds is piped to it through xargs instead.
     substitution: bool = True
+    # True: the command goes in a fenced bash block of the text (mini-swe-agent's text mode), not a tool call
+    text: bool = False
 
 
 TOOL_STYLES = {
     "mini-swe-agent": ToolStyle("bash", "command", SUBMIT),
+    "mini-swe-agent/text": ToolStyle("bash", "command", SUBMIT, text=True),
     "claude-code": ToolStyle("Bash", "command", None),
     "codex": ToolStyle("exec_command", "cmd", None),
     "opencode": ToolStyle("bash", "command", None),
@@ -256,6 +259,8 @@ def edited_line(task: Task, edit: LineEdit) -> int | None:
 def _turn(thought: str, command: str, style: ToolStyle = TOOL_STYLES["mini-swe-agent"]) -> str:
     if not style.substitution:
         command = piped(command)
+    if style.text:
+        return f"{thought}\n```bash\n{command}\n```"
     return f"{thought}\n{render_tool_call_text(style.tool, {style.arg: command})}"
 
 
