@@ -97,7 +97,8 @@ _MINIMAX_PARAM = re.compile(r"<parameter name=\"([^\"]+)\">(.*?)</parameter>", r
 
 class MiniMaxM2Parser:
     """MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>\\n</invoke>
-    \\n</minimax:tool_call>``, one or more ``<invoke>`` per block (its ``<think>`` block stays text)."""
+    \\n</minimax:tool_call>``, one or more ``<invoke>`` per block (its ``<think>`` block stays text). The
+    template writes a value right between its tags, so it is taken verbatim (a file's last newline kept)."""
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         def read(m: re.Match[str]) -> list[ToolCall] | None:
@@ -105,7 +106,7 @@ class MiniMaxM2Parser:
             calls = []
             for inv in invokes or []:
                 pairs = _only(_MINIMAX_PARAM, inv.group(2))
-                c = call(inv.group(1), _params(pairs, inv.group(1).strip(), tools, trim_newline=True)) \
+                c = call(inv.group(1), _params(pairs, inv.group(1).strip(), tools, trim_newline=False)) \
                     if pairs is not None else None
                 if c is None:
                     return None
