@@ -24,6 +24,10 @@ then only renders plain system / user / assistant text, so no tool definition is
 model answers in the syntax the ``tagged`` parser reads. `legorl proxy` and the pipeline log it as a
 warning at start-up; ``proxy.stats()["chat_format"]`` says it.
 
+The tool-call syntax the model writes (``tool_format``: ``hermes``, ``llama3_json``, ``mistral``, ...) is read
+from the template's text, else from the special tokens (`legorl.proxy.toolformats.detect_tool_format`);
+``tagged`` when legorl renders tools.
+
 A tokenizer without a chat template, or a template that closes a turn with no added token, is a
 `ChatFormatError` naming the file and the fix.
 """
