@@ -31,7 +31,7 @@ from legorl.models.chat_format import LEGORL, TEMPLATE, ChatFormatError, chat_fo
 from legorl.proxy.bridge import TokenBridge
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.proxy.wire import WireFormat
-from legorl.records import SamplingParams, ToolCall
+from legorl.records import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -237,20 +237,6 @@ BASH = {"type": "function", "function": {"name": "bash", "description": "Run a c
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 
 
-class Llama3JsonParser:
-    """Llama 3's JSON tool call, the whole reply: ``{"name": ..., "parameters": {...}}`` (this test's own)."""
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        try:
-            obj = json.loads(text.removeprefix("<|python_tag|>"))
-        except json.JSONDecodeError:
-            return (text or None), []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("parameters"),
-                                                                                                dict):
-            return (text or None), []
-        return None, [ToolCall(id="call_x", name=obj["name"], arguments=json.dumps(obj["parameters"]))]
-
-
 def llama3_call(command: str) -> str:
     return json.dumps({"name": "bash", "parameters": {"command": command}})
 
@@ -364,7 +350,7 @@ def test_llama3_scripted_tool_session_through_the_proxy(llama_tok):
         engine = ScriptedEngine(llama_tok)
         engine.set_script("r", replies)
         calls: list = []
-        proxy = Proxy(engine, llama_tok, on_call=calls.append, parser=Llama3JsonParser())
+        proxy = Proxy(engine, llama_tok, on_call=calls.append)  # the checkpoint's tool format: llama3_json
         await proxy.start()
         try:
             finishes = await tool_session(proxy, "r", len(replies))
@@ -417,7 +403,7 @@ def test_llama3_checkpoint_through_the_proxy_and_engine(llama_dir, llama_tok):
     assert len(calls) == 4 and [c.parent_index for c in calls] == [None, 0, 1, 2]
     check_fidelity(tok, calls)
     assert stats["chat_format"] == {"end_of_turn": "<|eot_id|>", "stop_ids": list(fmt.stop_ids), "tools": TEMPLATE,
-                                    "missing": []}
+                                    "missing": [], "tool_format": "llama3_json"}
     for c, finish in zip(calls, finishes, strict=True):  # stopped on a turn end, or cut at max_tokens
         assert (c.completion_ids[-1] in fmt.turn_end_ids) == (c.finish_reason == "stop")
         assert finish == ("stop" if c.finish_reason == "stop" else "length")

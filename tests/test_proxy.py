@@ -12,7 +12,7 @@ import pytest
 from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.models import render_tool_call_text
 from legorl.proxy.server import Proxy, SamplingOverride
-from legorl.proxy.toolcalls import TaggedJsonParser
+from legorl.proxy.toolformats.tagged import TaggedJsonParser
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a command",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
@@ -170,7 +170,8 @@ def test_local_engine_calls_are_token_exact(tokenizer, tiny_spec):
     ("no tools here", 0),
 ])
 def test_tool_call_parser(text, n_calls):
-    content, calls = TaggedJsonParser().parse(text)
-    assert len(calls) == n_calls
+    parsed = TaggedJsonParser().parse(text)
+    assert len(parsed.calls) == n_calls
     if n_calls == 0:
-        assert content == text
+        assert parsed.content == text
+        assert (parsed.malformed is not None) == ("<tool_call>" in text)  # an attempted call is recorded as such

@@ -17,7 +17,7 @@ from legorl.proxy.anthropic_messages import AnthropicMessages
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
-from legorl.proxy.toolcalls import TaggedJsonParser, XmlFunctionParser
+from legorl.proxy.toolformats.tagged import TaggedJsonParser, XmlFunctionParser
 
 SCALARS = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False) | st.text(max_size=12)
 JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=4)
@@ -68,17 +68,19 @@ def test_parsers_never_crash(tokenizer, body, beta):
                                              st.text(max_size=10), JSON.map(json.dumps) | st.text(max_size=20)))
 def test_tool_call_parsers_never_crash(text):
     for parser in (TaggedJsonParser(), XmlFunctionParser()):
-        content, calls = parser.parse(text)
-        for c in calls:
+        parsed = parser.parse(text)
+        for c in parsed.calls:
             assert isinstance(json.loads(c.arguments), dict)
-        if not calls:
-            assert content == (text or None)
+        if not parsed.calls:
+            assert parsed.content == (text or None)
+            assert (parsed.malformed is not None) == ("<tool_call>" in text)
 
 
 def test_qwen3_coder_xml_tool_calls():
     text = ("I will run it.\n<tool_call>\n<function=bash>\n<parameter=command>\nls -la\n</parameter>\n"
             "<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>")
-    content, (call,) = XmlFunctionParser().parse(text)
+    parsed = XmlFunctionParser().parse(text)
+    content, (call,) = parsed.content, parsed.calls
     assert content == "I will run it." and call.name == "bash"
     assert json.loads(call.arguments) == {"command": "ls -la", "timeout": 30}
 

@@ -38,6 +38,7 @@ def pulled_model_dir(cache_dir: str | Path, name: str) -> Path:
 class ModelConfig(_Section):
     path: str | None = None  # a local HF model directory; None builds the embedded tiny model
     name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]*$")  # a pulled model (legorl models list)
+    tool_format: str = "auto"  # the tool-call syntax the proxy parses; auto: the checkpoint's (its chat template)
     vocab_size: int = 4096
     hidden_size: int = 128
     num_layers: int = 4
@@ -46,6 +47,16 @@ class ModelConfig(_Section):
     intermediate_size: int = 384
     max_position_embeddings: int = 4096
     seed: int = 0
+
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, v: str) -> str:
+        from legorl.proxy.toolformats import parser_names
+
+        if v not in parser_names():
+            raise ValueError(f"unknown tool-call format '{v}'; choose one of {', '.join(parser_names())}")
+        return v
 
 
 class SamplingConfig(_Section):

@@ -93,6 +93,7 @@ class LLMCall:
     t_start: float = 0.0
     t_end: float = 0.0
     session: str = MAIN_SESSION  # MAIN_SESSION, or the side session this call belongs to ("title", ...)
+    malformed_tool_call: str | None = None  # why an attempted tool call did not parse (it was answered as text)
 
 
 @dataclass

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS llm_calls (
     request_json TEXT, prompt_ids BLOB, completion_ids BLOB, completion_logprobs BLOB,
     finish_reason TEXT, weight_version INTEGER, completion_text TEXT, tool_calls_json TEXT,
     parent_index INTEGER, segment_break TEXT, naive_prompt_differs INTEGER,
-    sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL, session TEXT NOT NULL DEFAULT 'main'
+    sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL, session TEXT NOT NULL DEFAULT 'main',
+    malformed_tool_call TEXT
 );
 CREATE INDEX IF NOT EXISTS llm_calls_rollout ON llm_calls(rollout_id);
 """
@@ -54,7 +55,7 @@ Sessions = Literal["main", "side", "all"]  # which of a rollout's sessions a rea
 _CALL_COLS = (
     "rollout_id, idx, wire_format, request_json, prompt_ids, completion_ids, completion_logprobs, "
     "finish_reason, weight_version, completion_text, tool_calls_json, parent_index, segment_break, "
-    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end, session"
+    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end, session, malformed_tool_call"
 )
 
 
@@ -110,6 +111,8 @@ class Store:
             columns = {row[1] for row in self._conn.execute("PRAGMA table_info(llm_calls)")}
             if "session" not in columns:  # a store written before side sessions: every call was the agent's
                 self._conn.execute(f"ALTER TABLE llm_calls ADD COLUMN session TEXT NOT NULL DEFAULT '{MAIN_SESSION}'")
+            if "malformed_tool_call" not in columns:  # a store written before malformed tool calls were recorded
+                self._conn.execute("ALTER TABLE llm_calls ADD COLUMN malformed_tool_call TEXT")
             self._conn.commit()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class Store:
             call.t_start,
             call.t_end,
             call.session,
+            call.malformed_tool_call,
         )
         marks = ", ".join("?" * len(params))
         return self._write(f"INSERT INTO llm_calls ({_CALL_COLS}) VALUES ({marks})", params)
@@ -493,6 +497,7 @@ def _row_to_call(row: sqlite3.Row) -> LLMCall:
         t_start=row["t_start"] or 0.0,
         t_end=row["t_end"] or 0.0,
         session=row["session"] or MAIN_SESSION,
+        malformed_tool_call=row["malformed_tool_call"],
     )
 
 

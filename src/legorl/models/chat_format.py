@@ -24,6 +24,10 @@ then only renders plain system / user / assistant text, so no tool definition is
 model answers in the syntax the ``tagged`` parser reads. `legorl proxy` and the pipeline log it as a
 warning at start-up; ``proxy.stats()["chat_format"]`` says it.
 
+The tool-call syntax the model writes (``tool_format``: ``hermes``, ``llama3_json``, ``mistral``, ...) is read
+from the template's text, else from the special tokens (`legorl.proxy.toolformats.detect_tool_format`);
+``tagged`` when legorl renders tools.
+
 A tokenizer without a chat template, or a template that closes a turn with no added token, is a
 `ChatFormatError` naming the file and the fix.
 """
@@ -69,11 +73,12 @@ class ChatFormat:
     tools: str  # TEMPLATE or LEGORL: who renders tool lists, calls and results
     missing: tuple[str, ...] = ()  # what of a tool conversation the template does not render
     source: str = ""  # the template's file, for messages
+    tool_format: str = "tagged"  # the tool-call syntax the model writes (a name of proxy.toolformats.PARSERS)
 
     def summary(self) -> dict[str, Any]:
         """What `proxy.stats()` shows of it."""
         return {"end_of_turn": self.end_of_turn, "stop_ids": list(self.stop_ids), "tools": self.tools,
-                "missing": list(self.missing)}
+                "missing": list(self.missing), "tool_format": self.tool_format}
 
     def warning(self) -> str | None:
         """What to tell the user at start-up, or None when the template renders everything itself."""
@@ -84,7 +89,7 @@ class ChatFormat:
         return (f"the chat template ({self.source}) does not render {what}: legorl renders the "
                 "tool conversation itself (the tool list in the system message in <tools></tools>, tool calls as "
                 "<tool_call> JSON blocks, tool results as user turns in <tool_response> tags; parse tool calls "
-                "with the `tagged` parser). Put a template that renders tools into the model directory to use "
+                "with the `tagged` tool format). Put a template that renders tools into the model directory to use "
                 "the model's own tool format")
 
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict] | None,
@@ -147,7 +152,8 @@ class ChatFormat:
         missing = _missing_tool_parts(render)
         return cls(end_of_turn=eot, end_of_turn_id=int(eot_id), turn_end_ids=tuple(turn_end), stop_ids=tuple(stops),
                    eos_id=eos_id if isinstance(eos_id, int) else None, tools=LEGORL if missing else TEMPLATE,
-                   missing=tuple(missing), source=source)
+                   missing=tuple(missing), source=source,
+                   tool_format="tagged" if missing else _tool_format(tokenizer, source))
 
 
 def chat_format(tokenizer: Any, model_dir: str | Path | None = None) -> ChatFormat:
@@ -249,6 +255,22 @@ def _generation_eos(folder: Path | None) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _tool_format(tokenizer: Any, source: str) -> str:
+    """The tool-call syntax of a template that renders tools: from its text (every named template) and the
+    tokenizer's special tokens; `tagged` (JSON in <tool_call>) with a warning when neither tells."""
+    from legorl.proxy.toolformats import detect_tool_format
+
+    template = tokenizer.chat_template
+    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found = detect_tool_format(text, (t.content for t in added.values()))
+    if found is None:
+        log.warning("the chat template (%s) renders tools in a syntax legorl does not recognise: tool calls are "
+                    "parsed as `tagged` (JSON in <tool_call>); set model.tool_format (legorl proxy --parser) "
+                    "to the model's format", source)
+    return found or "tagged"
 
 
 def _missing_tool_parts(render: Any) -> list[str]:

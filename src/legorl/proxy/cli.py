@@ -67,7 +67,9 @@ def proxy_command(
     temperature: Annotated[float, typer.Option(help="sampling temperature (overrides the harness's)")] = 1.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling (overrides the harness's)")] = 1.0,
     max_tokens: Annotated[int, typer.Option(help="cap on completion tokens per call")] = 1024,
-    parser: Annotated[str, typer.Option(help="tool-call parser: tagged | hermes | qwen | qwen3_coder")] = "tagged",
+    parser: Annotated[str, typer.Option(help="tool-call format: auto (the checkpoint's own, read from its chat "
+                                             "template) or a name: tagged, hermes, qwen3_coder, llama3_json, mistral, "
+                                             "deepseek, glm45, kimi_k2, harmony, minimax_m2")] = "auto",
     cache_dir: Annotated[Path, typer.Option(help="tokenizer/model build cache")] = Path("~/.cache/legorl"),
     max_context: Annotated[int | None, typer.Option(help="context length in tokens (prompt + completion); default: "
                                                           "the model's own (the built-in one: as in legorl train)")]
@@ -78,6 +80,11 @@ def proxy_command(
         raise typer.BadParameter("choose local or scripted", param_hint="--engine")
     if model is not None and not model.is_dir():
         raise typer.BadParameter(f"{model} is not a local model directory", param_hint="--model")
+    from legorl.proxy.toolformats import parser_names
+
+    if parser not in parser_names():
+        raise typer.BadParameter(f"unknown tool-call format '{parser}'; choose one of {', '.join(parser_names())}",
+                                 param_hint="--parser")
     import asyncio
     import contextlib
 
@@ -98,7 +105,6 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
     import asyncio
 
     from legorl.proxy.server import Proxy, SamplingOverride
-    from legorl.proxy.toolcalls import get_parser
     from legorl.store import Store
 
     engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir, max_context)
@@ -107,7 +113,7 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
         tok.save_pretrained(run_dir / "tokenizer")  # lets `legorl report` check decode(ids) == text
     store = Store(run_dir / "store.sqlite")
     sampling = SamplingOverride(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-    proxy = Proxy(engine, tok, sampling=sampling, model_name=served, on_call=store.add_call, parser=get_parser(parser),
+    proxy = Proxy(engine, tok, sampling=sampling, model_name=served, on_call=store.add_call, parser=parser,
                   accept_new_sessions=True)
     await proxy.start(host, port, unix_socket=unix_socket)
     typer.echo(f"legorl proxy on http://{proxy.host}:{proxy.port} (model {served!r}, engine {engine_name})\n"

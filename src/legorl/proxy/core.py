@@ -31,7 +31,7 @@ from legorl.proxy.bridge import (
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session
-from legorl.proxy.toolcalls import ToolCallParser
+from legorl.proxy.toolformats import ParsedReply, ToolCallParser
 from legorl.proxy.wire import Choice, Completion, new_id
 from legorl.records import ABANDONED, GenerationResult, LLMCall, SamplingParams
 
@@ -238,12 +238,11 @@ class CallCore:
             if hits:
                 at, stop_sequence = min(hits)
                 body_text = body_text[:at]
-        if req.parse_tools:
-            content, tool_calls = self.parser.parse(body_text)
-            for c in tool_calls:
-                c.id = new_id(tool_id_prefix)
-        else:
-            content, tool_calls = (body_text or None), []
+        # a tool call that does not parse is answered as text and recorded as malformed
+        parsed = self.parser.parse(body_text, req.tools) if req.parse_tools else ParsedReply(body_text or None)
+        content, tool_calls = parsed.content, parsed.calls
+        for c in tool_calls:
+            c.id = new_id(tool_id_prefix)
         finish = ("tool_calls" if tool_calls else "length" if result.finish_reason == "length"
                   else "stop_sequence" if stop_sequence else "stop")
         first = j == 0
@@ -255,6 +254,7 @@ class CallCore:
             parent_index=bridged.parent_index, segment_break=bridged.segment_break if first else None,
             naive_prompt_differs=bridged.naive_differs, sampled_from_policy=result.sampled_from_policy,
             routed_experts=result.routed_experts, t_start=t_start, t_end=t_end, session=session.kind,
+            malformed_tool_call=parsed.malformed,
         )
         if self.on_call is not None:
             self.on_call(call)  # persisted before the harness sees the answer
@@ -262,6 +262,7 @@ class CallCore:
         session.segments += bridged.parent_index is None
         session.bridge_hits += bridged.parent_index is not None
         session.drift_prevented += bool(bridged.naive_differs)
+        session.malformed_tool_calls += parsed.malformed is not None
         if len(session.history) >= TEXTS_KEPT:  # rendered texts are only worth keeping for recent calls
             session.history[-TEXTS_KEPT].prompt_text = ""
         session.history.append(PastCall(

@@ -50,7 +50,7 @@ from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import CallKind, Session, SessionRegistry, body_key
-from legorl.proxy.toolcalls import TaggedJsonParser, ToolCallParser
+from legorl.proxy.toolformats import AUTO, ToolCallParser, get_parser
 from legorl.proxy.wire import Completion
 from legorl.records import LLMCall
 from legorl.serving import LoopServer
@@ -131,7 +131,7 @@ class Proxy:
 
     def __init__(self, engine: Engine, tokenizer: Any, *, sampling: SamplingOverride | None = None,
                  model_name: str = "legorl-policy", on_call: Callable[[LLMCall], None] | None = None,
-                 parser: ToolCallParser | None = None, accept_new_sessions: bool = False,
+                 parser: ToolCallParser | str = AUTO, accept_new_sessions: bool = False,
                  strict_fields: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
                  keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True, chat_format: ChatFormat | None = None):
         self.tok = tokenizer
@@ -141,9 +141,14 @@ class Proxy:
         if fmt.warning():
             log.warning("%s", fmt.warning())
         self.chat_format = fmt
-        self.core = CallCore(engine, tokenizer, sampling=sampling or SamplingOverride(),
-                             parser=parser or TaggedJsonParser(), model_name=model_name, on_call=on_call,
-                             chat_format=fmt)
+        # `parser`: a tool format's name (`auto`: the checkpoint's own, fmt.tool_format) or a parser object
+        if isinstance(parser, str):
+            self.tool_format = fmt.tool_format if parser == AUTO else parser
+            parser = get_parser(self.tool_format)
+        else:
+            self.tool_format = type(parser).__name__
+        self.core = CallCore(engine, tokenizer, sampling=sampling or SamplingOverride(), parser=parser,
+                             model_name=model_name, on_call=on_call, chat_format=fmt)
         self.sessions = SessionRegistry(accept_new=accept_new_sessions)
         self.chat = OpenAIChat(tokenizer, strict_fields, fmt)
         self.responses = OpenAIResponses(tokenizer, strict_fields, fmt)
@@ -200,6 +205,8 @@ class Proxy:
             "segments_per_rollout": segments / len(sessions) if sessions else 0.0,
             "bridge_hits": sum(s.bridge_hits for s in sessions),
             "drift_prevented": sum(s.drift_prevented for s in sessions),
+            "malformed_tool_calls": sum(s.malformed_tool_calls for s in sessions),
+            "tool_format": self.tool_format,
             "retries_answered_from_record": sum(s.retries_answered for s in self.sessions.all()),
             "side_calls": side_calls,
             "by_format": dict(self.core.by_format), "errors": errors,

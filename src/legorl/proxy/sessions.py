@@ -51,6 +51,7 @@ class Session:
     bridge_hits: int = 0
     drift_prevented: int = 0
     retries_answered: int = 0
+    malformed_tool_calls: int = 0  # completions that attempted a tool call that did not parse (answered as text)
     max_calls: int | None = None  # the harness's turn limit, where the harness has none of its own
     kind: str = MAIN_SESSION
     call_kind: CallKind | None = None  # main session: which session each request belongs to (None: all main)

@@ -62,8 +62,10 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
 
 
 def make_proxy(cfg: Config, engine: Any, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
-    """The LLM proxy with the run's sampling overrides; every call goes to `on_call` (a store)."""
-    return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name, sampling=cfg.sampling, on_call=on_call)
+    """The LLM proxy with the run's sampling overrides and tool-call format (model.tool_format); every call goes
+    to `on_call` (a store)."""
+    return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name, sampling=cfg.sampling, on_call=on_call,
+                 parser=cfg.model.tool_format)
 
 
 def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
