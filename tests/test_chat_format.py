@@ -403,7 +403,7 @@ def test_llama3_checkpoint_through_the_proxy_and_engine(llama_dir, llama_tok):
     assert len(calls) == 4 and [c.parent_index for c in calls] == [None, 0, 1, 2]
     check_fidelity(tok, calls)
     assert stats["chat_format"] == {"end_of_turn": "<|eot_id|>", "stop_ids": list(fmt.stop_ids), "tools": TEMPLATE,
-                                    "missing": [], "tool_format": "llama3_json"}
+                                    "missing": [], "tool_format": "llama3_json", "reasoning": None}
     for c, finish in zip(calls, finishes, strict=True):  # stopped on a turn end, or cut at max_tokens
         assert (c.completion_ids[-1] in fmt.turn_end_ids) == (c.finish_reason == "stop")
         assert finish == ("stop" if c.finish_reason == "stop" else "length")

@@ -39,6 +39,8 @@ class ModelConfig(_Section):
     path: str | None = None  # a local HF model directory; None builds the embedded tiny model
     name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]*$")  # a pulled model (legorl models list)
     tool_format: str = "auto"  # the tool-call syntax the proxy parses; auto: the checkpoint's (its chat template)
+    # the reasoning markers (models/chat_format.py REASONING_STYLES); auto: the ones the checkpoint's template names
+    reasoning: Literal["auto", "none", "think", "mistral"] = "auto"
     vocab_size: int = 4096
     hidden_size: int = 128
     num_layers: int = 4

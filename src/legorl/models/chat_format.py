@@ -28,12 +28,18 @@ The tool-call syntax the model writes (``tool_format``: ``hermes``, ``llama3_jso
 from the template's text, else from the special tokens (`legorl.proxy.toolformats.detect_tool_format`);
 ``tagged`` when legorl renders tools.
 
+Reasoning. ``reasoning`` is the pair of markers a reasoning model writes its reasoning between
+(``<think>``/``</think>`` for Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2; ``[THINK]``/``[/THINK]`` for Magistral),
+read from the template's text (it writes those markers, or reads ``enable_thinking`` / ``reasoning_content``);
+None for a model that does not reason that way (gpt-oss's harmony channels are read by its tool-call parser).
+
 A tokenizer without a chat template, or a template that closes a turn with no added token, is a
 `ChatFormatError` naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -57,6 +63,20 @@ _PROBE_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {_ARG: {"type": "string"}}, "required": [_ARG]}}}]
 
 
+# Reasoning styles by name (model.reasoning, legorl proxy --reasoning): the markers the model writes around it.
+AUTO_REASONING = "auto"  # the checkpoint's, read from its template
+REASONING_STYLES: dict[str, tuple[str, str] | None] = {
+    "none": None,
+    "think": ("<think>", "</think>"),  # Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2
+    "mistral": ("[THINK]", "[/THINK]"),  # Magistral
+}
+
+
+def reasoning_styles() -> list[str]:
+    """The names `ChatFormat.with_reasoning` takes."""
+    return [AUTO_REASONING, *REASONING_STYLES]
+
+
 class ChatFormatError(ValueError):
     """The checkpoint's chat format cannot be read (no template, no end-of-turn token): says what and the fix."""
 
@@ -74,11 +94,21 @@ class ChatFormat:
     missing: tuple[str, ...] = ()  # what of a tool conversation the template does not render
     source: str = ""  # the template's file, for messages
     tool_format: str = "tagged"  # the tool-call syntax the model writes (a name of proxy.toolformats.PARSERS)
+    reasoning: tuple[str, str] | None = None  # (open, close) markers of the model's reasoning; None: it has none
 
     def summary(self) -> dict[str, Any]:
         """What `proxy.stats()` shows of it."""
         return {"end_of_turn": self.end_of_turn, "stop_ids": list(self.stop_ids), "tools": self.tools,
-                "missing": list(self.missing), "tool_format": self.tool_format}
+                "missing": list(self.missing), "tool_format": self.tool_format,
+                "reasoning": list(self.reasoning) if self.reasoning else None}
+
+    def with_reasoning(self, style: str) -> ChatFormat:
+        """This format with the reasoning `style` (a name of REASONING_STYLES; `auto` keeps the checkpoint's)."""
+        if style == AUTO_REASONING:
+            return self
+        if style not in REASONING_STYLES:
+            raise ValueError(f"unknown reasoning style '{style}'; choose one of {', '.join(reasoning_styles())}")
+        return dataclasses.replace(self, reasoning=REASONING_STYLES[style])
 
     def warning(self) -> str | None:
         """What to tell the user at start-up, or None when the template renders everything itself."""
@@ -153,7 +183,8 @@ class ChatFormat:
         return cls(end_of_turn=eot, end_of_turn_id=int(eot_id), turn_end_ids=tuple(turn_end), stop_ids=tuple(stops),
                    eos_id=eos_id if isinstance(eos_id, int) else None, tools=LEGORL if missing else TEMPLATE,
                    missing=tuple(missing), source=source,
-                   tool_format="tagged" if missing else _tool_format(tokenizer, source))
+                   tool_format="tagged" if missing else _tool_format(tokenizer, source),
+                   reasoning=_reasoning_markers(template))
 
 
 def chat_format(tokenizer: Any, model_dir: str | Path | None = None) -> ChatFormat:
@@ -271,6 +302,17 @@ def _tool_format(tokenizer: Any, source: str) -> str:
                     "parsed as `tagged` (JSON in <tool_call>); set model.tool_format (legorl proxy --parser) "
                     "to the model's format", source)
     return found or "tagged"
+
+
+def _reasoning_markers(template: Any) -> tuple[str, str] | None:
+    """The reasoning markers a template names: Magistral's [THINK], else <think> when the template writes it or
+    reads the reasoning switches of such models (enable_thinking, reasoning_content); None otherwise."""
+    text = "\n".join(template.values()) if isinstance(template, dict) else str(template)
+    if "[THINK]" in text:
+        return REASONING_STYLES["mistral"]
+    if any(m in text for m in ("<think>", "enable_thinking", "reasoning_content")):
+        return REASONING_STYLES["think"]
+    return None
 
 
 def _missing_tool_parts(render: Any) -> list[str]:

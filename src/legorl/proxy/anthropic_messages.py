@@ -2,14 +2,15 @@
 
 Content blocks become canonical messages: text blocks are joined, `tool_use` blocks become
 tool calls of the assistant message, each `tool_result` block becomes a tool message (before
-the text of the same user turn). Thinking blocks, images and documents are not rendered (the
-served model has no use for them); `cache_control`, `thinking`, `context_management` and other
-beta fields are accepted and ignored. With an `anthropic-beta` header, unknown top-level fields
+the text of the same user turn), an assistant's `thinking` blocks its `reasoning_content`. Redacted
+thinking, images and documents are not rendered; `cache_control`, `thinking`, `context_management` and other
+beta fields are accepted and ignored. A reasoning model's reasoning is answered as a `thinking` block. With an `anthropic-beta` header, unknown top-level fields
 are accepted too (a beta may add any field).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -91,6 +92,8 @@ class AnthropicMessages(WireFormat):
     @staticmethod
     def _content(c: Choice) -> list[dict[str, Any]]:
         blocks: list[dict[str, Any]] = []
+        if c.reasoning:
+            blocks.append({"type": "thinking", "thinking": c.reasoning, "signature": _signature(c.reasoning)})
         if c.content or not c.tool_calls:
             blocks.append({"type": "text", "text": c.content or ""})
         for t in c.tool_calls:
@@ -114,7 +117,14 @@ class AnthropicMessages(WireFormat):
                  "stop_reason": None, "stop_sequence": None, "usage": self._usage(comp, 1)}
         out = [_sse("message_start", {"type": "message_start", "message": start}), _sse("ping", {"type": "ping"})]
         for i, block in enumerate(self._content(c)):
-            if block["type"] == "text":
+            if block["type"] == "thinking":
+                out.append(_sse("content_block_start", {"type": "content_block_start", "index": i,
+                                                        "content_block": {**block, "thinking": "", "signature": ""}}))
+                for delta in ({"type": "thinking_delta", "thinking": block["thinking"]},
+                              {"type": "signature_delta", "signature": block["signature"]}):
+                    out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": i,
+                                                            "delta": delta}))
+            elif block["type"] == "text":
                 out.append(_sse("content_block_start", {"type": "content_block_start", "index": i,
                                                         "content_block": {"type": "text", "text": ""}}))
                 if block["text"]:
@@ -144,6 +154,12 @@ class AnthropicMessages(WireFormat):
         return _sse("error", anthropic_error_body(e))
 
 
+def _signature(thinking: str) -> str:
+    """The `signature` Anthropic's thinking blocks carry (SDKs require one): a digest of the text. Harnesses send
+    it back with the block; the proxy does not check it (the reasoning is rendered from the block's text)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
 def _blocks_text(content: Any, where: str, p: Problems) -> str | None:
     """Text of a string or an array of text blocks (other block types are not rendered)."""
     return p.content_text(content, where, ("text",), refusals=False, join=join_texts)
@@ -161,6 +177,7 @@ def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
         p.add(f"{where}.content", f"{where}.content: must be a string or an array of content blocks")
         return []
     texts: list[str] = []
+    thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, b in enumerate(content):
@@ -174,6 +191,8 @@ def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
                 p.add(f"{bw}.text", f"{bw}.text: must be a string")
                 return []
             texts.append(b["text"])
+        elif kind == "thinking" and isinstance(b.get("thinking"), str):
+            thinking.append(b["thinking"])
         elif kind in ("tool_use", "server_tool_use"):
             if role != "assistant" or not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 p.add(bw, f"{bw}: tool_use blocks need a name and an object input, on an assistant message")
@@ -189,9 +208,11 @@ def _message(m: Any, i: int, p: Problems) -> list[dict[str, Any]]:
             if text is None:
                 return []
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
-        # thinking, redacted_thinking, image, document, search results...: accepted, not rendered
+        # redacted_thinking, image, document, search results...: accepted, not rendered
     if role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": join_texts(texts) or None}
+        if join_texts(thinking):
+            msg["reasoning_content"] = join_texts(thinking)
         if calls:
             msg["tool_calls"] = calls
         return [msg]

@@ -32,6 +32,7 @@ from typing import Any
 
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
+from legorl.proxy.reasoning import REASONING_DROPPED
 from legorl.records import ToolCall
 
 
@@ -85,6 +86,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                  "function": {"name": _fn(c).get("name"), "arguments": _args_value(_fn(c).get("arguments"))}}
                 for c in m["tool_calls"]
             ]
+        if m.get("reasoning_content"):  # reasoning the harness sent back: templates that keep it render it
+            t["reasoning_content"] = m["reasoning_content"]
         if m.get("tool_call_id"):
             t["tool_call_id"] = m["tool_call_id"]
         if m.get("name"):
@@ -93,9 +96,12 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def reply_message(content: str | None, tool_calls: list[ToolCall]) -> dict[str, Any]:
-    """The assistant message the proxy returns, in canonical (OpenAI) shape (also used for matching)."""
+def reply_message(content: str | None, tool_calls: list[ToolCall], reasoning: str | None = None) -> dict[str, Any]:
+    """The assistant message the proxy returns, in canonical (OpenAI) shape (also used for matching, which
+    leaves its reasoning out: harnesses send reasoning back or not)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
     if tool_calls:
         msg["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -266,6 +272,7 @@ class PastCall:
     prompt_ids: list[int]
     completion_ids: list[int]
     prompt_text: str = ""  # the rendered prompt (kept for recent calls only): lets a child skip a render
+    reasoning: str | None = None  # the reasoning of its reply (proxy/reasoning.py)
 
 
 @dataclass
@@ -280,6 +287,21 @@ class BridgeResult:
 
 
 NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not extend any earlier call of this session"
+
+
+def reasoning_dropped(past: PastCall, full: str) -> bool:
+    """The prompt `full` no longer holds the reasoning the parent sampled: the template leaves past reasoning
+    out (Qwen3 before the last user message, DeepSeek-R1 always), or the harness did not send it back.
+
+    The prompt then does not extend the parent's prompt + completion. The bridge does not splice the sampled
+    tokens back in (the engine would see a context no deployment of this checkpoint renders, and the checks
+    that a render is prefix-stable could not hold): the call starts a new segment, so every sampled token
+    stays trainable in the segment it was sampled in, and the prompt is what the template renders. Checked
+    before either way of finding the reply's end, so neither can bridge over it silently."""
+    if not past.reasoning:
+        return False
+    after = len(past.prompt_text) if full.startswith(past.prompt_text) else 0  # where the reply's turn is
+    return past.reasoning.strip() not in full[after:]
 
 
 class TokenBridge:
@@ -337,6 +359,9 @@ class TokenBridge:
                 continue
             if past.tools_key != tkey:
                 reason = "tool definitions changed"
+                break
+            if reasoning_dropped(past, full):
+                reason = REASONING_DROPPED
                 break
             ids = self._bridge(messages, tools, k + 1, past, full)
             if ids is None:

@@ -70,6 +70,8 @@ def proxy_command(
     parser: Annotated[str, typer.Option(help="tool-call format: auto (the checkpoint's own, read from its chat "
                                              "template) or a name: tagged, hermes, qwen3_coder, llama3_json, mistral, "
                                              "deepseek, glm45, kimi_k2, harmony, minimax_m2")] = "auto",
+    reasoning: Annotated[str, typer.Option(help="reasoning markers: auto (the checkpoint's, read from its chat "
+                                                "template), none, think (<think>), mistral ([THINK])")] = "auto",
     cache_dir: Annotated[Path, typer.Option(help="tokenizer/model build cache")] = Path("~/.cache/legorl"),
     max_context: Annotated[int | None, typer.Option(help="context length in tokens (prompt + completion); default: "
                                                           "the model's own (the built-in one: as in legorl train)")]
@@ -85,6 +87,11 @@ def proxy_command(
     if parser not in parser_names():
         raise typer.BadParameter(f"unknown tool-call format '{parser}'; choose one of {', '.join(parser_names())}",
                                  param_hint="--parser")
+    from legorl.models.chat_format import reasoning_styles
+
+    if reasoning not in reasoning_styles():
+        raise typer.BadParameter(f"unknown reasoning style '{reasoning}'; choose one of {', '.join(reasoning_styles())}",
+                                 param_hint="--reasoning")
     import asyncio
     import contextlib
 
@@ -93,7 +100,8 @@ def proxy_command(
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
-                               temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context))
+                               temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context,
+                               reasoning))
     except ChatFormatError as e:  # the checkpoint's template: what is missing and the fix, no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -101,7 +109,8 @@ def proxy_command(
 
 async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int, host: str,
                  unix_socket: Path | None, served: str, script: Path | None, temperature: float, top_p: float,
-                 max_tokens: int, parser: str, cache_dir: Path, max_context: int | None = None) -> None:
+                 max_tokens: int, parser: str, cache_dir: Path, max_context: int | None = None,
+                 reasoning: str = "auto") -> None:
     import asyncio
 
     from legorl.proxy.server import Proxy, SamplingOverride
@@ -114,7 +123,7 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
     store = Store(run_dir / "store.sqlite")
     sampling = SamplingOverride(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     proxy = Proxy(engine, tok, sampling=sampling, model_name=served, on_call=store.add_call, parser=parser,
-                  accept_new_sessions=True)
+                  accept_new_sessions=True, reasoning=reasoning)
     await proxy.start(host, port, unix_socket=unix_socket)
     typer.echo(f"legorl proxy on http://{proxy.host}:{proxy.port} (model {served!r}, engine {engine_name})\n"
                f"  OpenAI base URL:    {proxy.openai_base_url('<session>')}\n"

@@ -29,6 +29,7 @@ from legorl.proxy.bridge import (
     reply_message,
 )
 from legorl.proxy.errors import ProxyError
+from legorl.proxy.reasoning import REASONING_DROPPED, prompt_opens_reasoning, split_reasoning
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session
 from legorl.proxy.toolformats import ParsedReply, ToolCallParser
@@ -238,9 +239,13 @@ class CallCore:
             if hits:
                 at, stop_sequence = min(hits)
                 body_text = body_text[:at]
-        # a tool call that does not parse is answered as text and recorded as malformed
-        parsed = self.parser.parse(body_text, req.tools) if req.parse_tools else ParsedReply(body_text or None)
+        # reasoning first (it may mention tool calls), then the tool calls; a tool call that does not parse is
+        # answered as text and recorded as malformed
+        split = split_reasoning(body_text, self.format.reasoning,
+                                opened=prompt_opens_reasoning(bridged.prompt_text, self.format.reasoning))
+        parsed = self.parser.parse(split.rest, req.tools) if req.parse_tools else ParsedReply(split.rest or None)
         content, tool_calls = parsed.content, parsed.calls
+        reasoning = split.reasoning or parsed.reasoning
         for c in tool_calls:
             c.id = new_id(tool_id_prefix)
         finish = ("tool_calls" if tool_calls else "length" if result.finish_reason == "length"
@@ -263,17 +268,19 @@ class CallCore:
         session.bridge_hits += bridged.parent_index is not None
         session.drift_prevented += bool(bridged.naive_differs)
         session.malformed_tool_calls += parsed.malformed is not None
+        session.reasoning_dropped += call.segment_break == REASONING_DROPPED
         if len(session.history) >= TEXTS_KEPT:  # rendered texts are only worth keeping for recent calls
             session.history[-TEXTS_KEPT].prompt_text = ""
         session.history.append(PastCall(
             index=call.index,
             messages=bridged.norm if bridged.norm is not None else [normalize_message(m) for m in req.messages],
             tools_key=tools_key, reply=normalize_message(reply_message(content, tool_calls)),
-            prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text))
+            prompt_ids=call.prompt_ids, completion_ids=call.completion_ids, prompt_text=bridged.prompt_text,
+            reasoning=reasoning))
         session.n_calls += 1
         session.index.next += 1
         return Choice(call=call, content=content, tool_calls=tool_calls, finish=finish,
-                      stop_sequence=stop_sequence)
+                      stop_sequence=stop_sequence, reasoning=reasoning)
 
 
 def _check_result(r: GenerationResult) -> None:

@@ -2,8 +2,8 @@
 `:countTokens`), streaming and not. Gemini CLI and Google's genai SDKs speak it.
 
 The model comes from the path, streaming from the method. Request parsing is in gemini_request.py;
-here the answer is rendered: `candidates[i].content.parts` (a text part, then one `functionCall`
-part per tool call, args as an object), `finishReason`, `usageMetadata`, `modelVersion`,
+here the answer is rendered: `candidates[i].content.parts` (a reasoning model's reasoning as a part with
+`thought: true`, a text part, then one `functionCall` part per tool call, args as an object), `finishReason`, `usageMetadata`, `modelVersion`,
 `responseId`. A stream is one SSE `data:` chunk per part, the last one carrying `finishReason` and
 `usageMetadata`; its keep-alives are blank lines (Google's SDKs read any non-`data:` line as JSON).
 """
@@ -122,6 +122,8 @@ class Gemini(WireFormat):
     @staticmethod
     def _parts(c: Choice) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = []
+        if c.reasoning:
+            parts.append({"text": c.reasoning, "thought": True})
         if c.content or not c.tool_calls:
             parts.append({"text": c.content or ""})
         for t in c.tool_calls:

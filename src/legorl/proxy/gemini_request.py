@@ -6,8 +6,8 @@ under either name. User data (function args and responses, schema property names
 
 `contents` become canonical messages: the text parts of a content are joined, `functionCall` parts
 (role `model`) become the assistant's tool calls, each `functionResponse` part a tool message (before
-the text of the same turn). Thought parts, inline data, files and code-execution parts are not
-rendered: the served model has no use for them.
+the text of the same turn), a model turn's thought parts its `reasoning_content`. Inline data, files and
+code-execution parts are not rendered: the served model has no use for them.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def contents_messages(items: list[Any], p: Problems, failed: set[str] | None = N
 def _turn(role: str, parts: list[Any], where: str, i: int, pending: list[dict[str, Any]],
           p: Problems, failed: set[str]) -> list[dict[str, Any]]:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
@@ -114,8 +115,7 @@ def _turn(role: str, parts: list[Any], where: str, i: int, pending: list[dict[st
             if not isinstance(part["text"], str):
                 p.must(f"{pw}.text", "a string")
                 return []
-            if not part.get("thought"):  # thoughts are the model's own reasoning: not rendered
-                texts.append(part["text"])
+            (thoughts if part.get("thought") else texts).append(part["text"])  # a thought: the model's reasoning
         elif call is not None:
             if role != "model" or not isinstance(call, dict) or not isinstance(call.get("name"), str) \
                     or not isinstance(call.get("args") or {}, dict):
@@ -140,6 +140,8 @@ def _turn(role: str, parts: list[Any], where: str, i: int, pending: list[dict[st
         # inlineData, fileData, executableCode, codeExecutionResult...: accepted, not rendered
     if role == "model":
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}  # streamed pieces
+        if "".join(thoughts):
+            msg["reasoning_content"] = "".join(thoughts)
         if calls:
             msg["tool_calls"] = calls
         return [msg]

@@ -91,6 +91,8 @@ class OpenAIChat(WireFormat):
         choices = []
         for i, c in enumerate(comp.choices):
             msg: dict[str, Any] = {"role": "assistant", "content": c.content, "refusal": None}
+            if c.reasoning:  # vLLM's and DeepSeek's field for it
+                msg["reasoning_content"] = c.reasoning
             if c.tool_calls:
                 msg["tool_calls"] = self._tool_calls(c)
             choices.append({"index": i, "message": msg, "logprobs": self._logprobs(c, req),
@@ -112,6 +114,8 @@ class OpenAIChat(WireFormat):
         out = []
         for i, c in enumerate(comp.choices):
             out.append(chunk(i, {"role": "assistant", "content": "", "refusal": None}))
+            if c.reasoning:
+                out.append(chunk(i, {"reasoning_content": c.reasoning}))
             lp = self._logprobs(c, req)
             if c.content or lp:
                 out.append(chunk(i, {"content": c.content or ""}, logprobs=lp))
@@ -147,6 +151,9 @@ def _message(m: Any, i: int, p: Problems) -> dict[str, Any] | None:
     if role == "developer":
         role = "system"
     out: dict[str, Any] = {"role": "tool" if role == "function" else role, "content": content}
+    reasoning = m.get("reasoning_content", m.get("reasoning"))  # sent back with an earlier reply (vLLM spells both)
+    if role == "assistant" and isinstance(reasoning, str) and reasoning:
+        out["reasoning_content"] = reasoning
     calls = m.get("tool_calls")
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list):

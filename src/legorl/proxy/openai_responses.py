@@ -2,8 +2,9 @@
 
 Input items become canonical messages: `message` items by role (developer -> system), a
 `function_call` / `custom_tool_call` joins the assistant message before it, each
-`function_call_output` / `custom_tool_call_output` is a tool message. `reasoning` items are
-accepted and passed over (the served model has none to continue). Function tools, custom
+`function_call_output` / `custom_tool_call_output` is a tool message. The text of `reasoning` items
+(their `reasoning_text` content, else their summary) is the `reasoning_content` of the assistant message
+after them; a reasoning model's reasoning is answered as a `reasoning` output item. Function tools, custom
 (freeform) tools (offered as a function with one string parameter `input`) and the function
 tools inside a `namespace` are offered to the model; hosted tools (web search, file search...)
 are not. `previous_response_id` continues a response this session answered with store != false.
@@ -28,7 +29,7 @@ KNOWN = frozenset({
     "moderation",
 })
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-SKIPPED_ITEMS = ("reasoning", "compaction", "compaction_summary")
+SKIPPED_ITEMS = ("compaction", "compaction_summary")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -103,7 +104,7 @@ class OpenAIResponses(WireFormat):
         if req.body.get("store") is False:
             return
         c = comp.choices[0]
-        responses[comp.id] = req.extra["conv"] + [reply_message(c.content, c.tool_calls)]
+        responses[comp.id] = req.extra["conv"] + [reply_message(c.content, c.tool_calls, c.reasoning)]
 
     # ---- answers --------------------------------------------------------------------------------
     def _items_of(self, comp: Completion, req: ChatRequest) -> list[dict[str, Any]]:
@@ -112,6 +113,9 @@ class OpenAIResponses(WireFormat):
             return comp.extra["items"]
         c = comp.choices[0]
         items: list[dict[str, Any]] = []
+        if c.reasoning:  # raw reasoning as `content` (vLLM's shape), no summary: none was made
+            items.append({"type": "reasoning", "id": new_id("rs_"), "summary": [], "status": "completed",
+                          "content": [{"type": "reasoning_text", "text": c.reasoning}]})
         if c.content or not c.tool_calls:
             part: dict[str, Any] = {"type": "output_text", "text": c.content or "", "annotations": []}
             part["logprobs"] = self._logprobs(c, req)
@@ -184,6 +188,14 @@ class OpenAIResponses(WireFormat):
                                "content_index": 0, "text": part["text"], "logprobs": part["logprobs"]})
                 events.append({"type": "response.content_part.done", "item_id": iid, "output_index": k,
                                "content_index": 0, "part": part})
+            elif item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                events.append({"type": "response.output_item.added", "output_index": k,
+                               "item": {**item, "status": "in_progress", "content": []}})
+                events.append({"type": "response.reasoning_text.delta", "item_id": iid, "output_index": k,
+                               "content_index": 0, "delta": text})
+                events.append({"type": "response.reasoning_text.done", "item_id": iid, "output_index": k,
+                               "content_index": 0, "text": text})
             elif item["type"] == "function_call":
                 events.append({"type": "response.output_item.added", "output_index": k,
                                "item": {**item, "arguments": "", "status": "in_progress"}})
@@ -215,8 +227,28 @@ def _text_of(content: Any, where: str, p: Problems) -> str | None:
     return p.content_text(content, where, TEXT_PARTS)
 
 
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its raw `reasoning_text` content, else its summary (encrypted content is opaque)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [x["text"] for x in parts if isinstance(x, dict) and isinstance(x.get("text"), str)] \
+            if isinstance(parts, list) else []
+        if texts:
+            return "\n".join(texts)
+    return ""
+
+
 def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items not yet given to an assistant message
+
+    def assistant(msg: dict[str, Any]) -> dict[str, Any]:
+        """An assistant message, with the reasoning items before it."""
+        if reasoning:
+            msg["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        return msg
+
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -230,7 +262,8 @@ def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
                 continue
             text = _text_of(it.get("content"), f"{where}.content", p)
             if text is not None:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                msg = {"role": "system" if role == "developer" else role, "content": text}
+                out.append(assistant(msg) if role == "assistant" else msg)
         elif kind in ("function_call", "custom_tool_call"):
             name, call_id = it.get("name"), it.get("call_id")
             raw = it.get("arguments") if kind == "function_call" else it.get("input")
@@ -241,9 +274,9 @@ def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
             args: Any = raw if kind == "function_call" else {"input": raw}
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
+                assistant(out[-1]).setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = it.get("call_id")
             text = _text_of(it.get("output"), f"{where}.output", p)
@@ -252,6 +285,9 @@ def _items(items: list[Any], p: Problems) -> list[dict[str, Any]]:
                 continue
             if text is not None:
                 out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            if _reasoning_text(it):
+                reasoning.append(_reasoning_text(it))
         elif kind in SKIPPED_ITEMS:
             continue
         else:

@@ -40,7 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from legorl.engine.base import Engine
-from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import AUTO_REASONING, ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.proxy.anthropic_messages import AnthropicMessages
 from legorl.proxy.core import CallCore, SamplingOverride
@@ -133,11 +133,13 @@ class Proxy:
                  model_name: str = "legorl-policy", on_call: Callable[[LLMCall], None] | None = None,
                  parser: ToolCallParser | str = AUTO, accept_new_sessions: bool = False,
                  strict_fields: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-                 keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True, chat_format: ChatFormat | None = None):
+                 keepalive_s: float = KEEPALIVE_S, freeze_heap: bool = True, chat_format: ChatFormat | None = None,
+                 reasoning: str = AUTO_REASONING):
         self.tok = tokenizer
         self.freeze_heap = freeze_heap
         # The policy's chat format (end-of-turn, stops, who renders tools), read from its checkpoint once.
         fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
+        fmt = fmt.with_reasoning(reasoning)  # `auto`: the checkpoint's reasoning markers, else the style named
         if fmt.warning():
             log.warning("%s", fmt.warning())
         self.chat_format = fmt
@@ -206,6 +208,9 @@ class Proxy:
             "bridge_hits": sum(s.bridge_hits for s in sessions),
             "drift_prevented": sum(s.drift_prevented for s in sessions),
             "malformed_tool_calls": sum(s.malformed_tool_calls for s in sessions),
+            # calls whose prompt no longer held the reasoning their parent sampled: a new segment (docs/proxy.md)
+            "reasoning_dropped": sum(s.reasoning_dropped for s in sessions),
+            "reasoning_dropped_share": sum(s.reasoning_dropped for s in sessions) / calls if calls else 0.0,
             "tool_format": self.tool_format,
             "retries_answered_from_record": sum(s.retries_answered for s in self.sessions.all()),
             "side_calls": side_calls,

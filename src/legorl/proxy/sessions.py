@@ -52,6 +52,7 @@ class Session:
     drift_prevented: int = 0
     retries_answered: int = 0
     malformed_tool_calls: int = 0  # completions that attempted a tool call that did not parse (answered as text)
+    reasoning_dropped: int = 0  # calls that started a new segment because past reasoning was not rendered again
     max_calls: int | None = None  # the harness's turn limit, where the harness has none of its own
     kind: str = MAIN_SESSION
     call_kind: CallKind | None = None  # main session: which session each request belongs to (None: all main)
@@ -116,4 +117,5 @@ def _counters_only(s: Session) -> Session:
     return Session(token=s.token, rollout_id=s.rollout_id, n_calls=s.n_calls, errors=list(s.errors),
                    closed=True, segments=s.segments, bridge_hits=s.bridge_hits,
                    drift_prevented=s.drift_prevented, retries_answered=s.retries_answered, kind=s.kind,
+                   malformed_tool_calls=s.malformed_tool_calls, reasoning_dropped=s.reasoning_dropped,
                    sides={k: _counters_only(x) for k, x in s.sides.items()})

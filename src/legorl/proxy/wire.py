@@ -33,6 +33,7 @@ class Choice:
     tool_calls: list[ToolCall]
     finish: str  # "stop" | "length" | "tool_calls" | "stop_sequence"
     stop_sequence: str | None = None
+    reasoning: str | None = None  # the reply's reasoning (proxy/reasoning.py), shown in the format's own field
 
 
 @dataclass

@@ -62,10 +62,10 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
 
 
 def make_proxy(cfg: Config, engine: Any, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
-    """The LLM proxy with the run's sampling overrides and tool-call format (model.tool_format); every call goes
-    to `on_call` (a store)."""
+    """The LLM proxy with the run's sampling overrides, tool-call format (model.tool_format) and reasoning markers
+    (model.reasoning); every call goes to `on_call` (a store)."""
     return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name, sampling=cfg.sampling, on_call=on_call,
-                 parser=cfg.model.tool_format)
+                 parser=cfg.model.tool_format, reasoning=cfg.model.reasoning)
 
 
 def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:

@@ -18,7 +18,7 @@ from legorl.records import ToolCall
 
 @dataclass(frozen=True)
 class ParsedReply:
-    """A completion as the harness sees it: its text and its tool calls.
+    """A completion as the harness sees it: its text, its tool calls, and (harmony) its reasoning.
 
     `malformed` says why a completion that attempted a tool call (it wrote the format's opening
     marker) could not be read; its whole text is then `content` and `calls` is empty: a partial set
@@ -28,6 +28,7 @@ class ParsedReply:
     content: str | None
     calls: list[ToolCall] = field(default_factory=list)
     malformed: str | None = None
+    reasoning: str | None = None  # set by formats whose syntax holds the reasoning (harmony's analysis channel)
 
 
 class ToolCallParser(Protocol):

@@ -24,8 +24,8 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 class HarmonyParser:
     """Calls are the messages addressed to ``functions.NAME``; content is the ``final`` channel's text, else
-    the ``commentary`` preamble's; the ``analysis`` channel is reasoning, not shown (it stays in the
-    recorded completion text). A reply without channels is plain text."""
+    the ``commentary`` preamble's; the ``analysis`` channel is the reply's reasoning (returned in the wire
+    format's reasoning field; it stays in the recorded completion text). A reply without channels is plain text."""
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedReply:
         if "<|channel|>" not in text:
@@ -35,13 +35,15 @@ class HarmonyParser:
             return malformed(text, "a harmony message header without a message: " + text[-120:])
         final: list[str] = []
         preamble: list[str] = []
+        analysis: list[str] = []
         calls = []
         for m in messages:
             header = m.group("header")
             channel = header.split(" ", 1)[0].split("<", 1)[0].strip()
             to = _RECIPIENT.search(f"{m.group('role') or ''} {header}")
             if to is None:
-                (final if channel == "final" else preamble if channel == "commentary" else []).append(m.group("body"))
+                by_channel = {"final": final, "commentary": preamble, "analysis": analysis}
+                by_channel.get(channel, []).append(m.group("body"))
                 continue
             recipient = to.group(1)
             c = call(recipient.removeprefix("functions."), json_object(m.group("body"))) \
@@ -51,4 +53,4 @@ class HarmonyParser:
                                        + m.group("body")[:120])
             calls.append(c)
         content = "".join(final) or "".join(preamble)
-        return ParsedReply(content.strip() or None, calls)
+        return ParsedReply(content.strip() or None, calls, reasoning="\n".join(analysis).strip() or None)
