@@ -33,6 +33,9 @@ GRADED_OUTCOMES = frozenset({Outcome.RESOLVED, Outcome.UNRESOLVED, Outcome.MAX_T
 # `LLMCall.finish_reason` of a call whose client went away before its answer (docs/proxy.md): the
 # generation was cancelled, no completion tokens are kept, and it is never trained on.
 ABANDONED = "abandoned"
+# `LLMCall.segment_break` of a call whose rendered prompt no longer holds the reasoning its parent sampled (the
+# template leaves past reasoning out, or the harness did not send it back): a new segment (docs/proxy.md, "Reasoning").
+REASONING_DROPPED = "template drops past reasoning"
 # The session of a rollout's own agent turns. A harness's side calls (a title, a next-speaker or loop check, a
 # memory agent, a sub-agent) are recorded in sessions of their own, named by the harness (Harness.call_kind).
 MAIN_SESSION = "main"

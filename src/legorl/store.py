@@ -19,7 +19,16 @@ from typing import Any, Literal, Self
 
 import numpy as np
 
-from legorl.records import ABANDONED, MAIN_SESSION, GraderReport, LLMCall, Outcome, Rollout, ToolCall
+from legorl.records import (
+    ABANDONED,
+    MAIN_SESSION,
+    REASONING_DROPPED,
+    GraderReport,
+    LLMCall,
+    Outcome,
+    Rollout,
+    ToolCall,
+)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -309,7 +318,8 @@ class Store:
         for row in self._query("SELECT outcome, COUNT(*) FROM rollouts GROUP BY outcome"):
             by_outcome[row[0] if row[0] is not None else "pending"] = int(row[1])
         by_outcome["total"] = sum(by_outcome.values())
-        fid = {"checked": 0, "violations": 0, "segments": 0, "bridge_hits": 0, "drift_prevented": 0}
+        fid = {"checked": 0, "violations": 0, "segments": 0, "bridge_hits": 0, "drift_prevented": 0,
+               "reasoning_dropped": 0}
         examples: list[dict[str, Any]] = []
         abandoned = 0
         for row in self._iter_rows(
@@ -339,6 +349,9 @@ class Store:
                 fid["bridge_hits"] += 1
             if row["naive_prompt_differs"]:
                 fid["drift_prevented"] += 1
+            if row["segment_break"] == REASONING_DROPPED:  # a new segment: the prompt lost its parent's reasoning
+                fid["reasoning_dropped"] += 1
+        fid["reasoning_dropped_share"] = fid["reasoning_dropped"] / fid["checked"] if fid["checked"] else 0.0
         last = self.last_step()
         return {
             "steps": int(self._query("SELECT COUNT(*) FROM steps")[0][0]),

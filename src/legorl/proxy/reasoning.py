@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# LLMCall.segment_break of a call whose rendered prompt no longer holds the reasoning its parent sampled (the
-# template leaves past reasoning out, or the harness did not send it back): docs/proxy.md, "Reasoning".
-REASONING_DROPPED = "template drops past reasoning"
+from legorl.records import REASONING_DROPPED
+
+__all__ = ["REASONING_DROPPED", "Split", "prompt_opens_reasoning", "split_reasoning"]
 
 
 @dataclass(frozen=True)
