@@ -202,7 +202,7 @@ def test_chat_reasoning_content(qwen3_tok, stream):
                 msgs.append({"role": "tool", "tool_call_id": echo["tool_calls"][0]["id"], "content": "a.py b.py"})
         await c.close()
 
-    calls, proxy = asyncio.run(serve(qwen3_tok, [REPLY, ANSWER], body))
+    calls, _ = asyncio.run(serve(qwen3_tok, [REPLY, ANSWER], body))
     assert got[0] == ("I should list the files.", None, 1)
     assert got[1] == ("Two files.", "There are two files.", 0)
     assert calls[1].parent_index == 0 and calls[1].segment_break is None
@@ -414,17 +414,11 @@ def test_fast_reply_end_does_not_bridge_over_dropped_reasoning(qwen3_tok):
 
     replies = [think(f"Step {i}.", bash(f"echo {i}")) for i in range(5)]
     calls, _ = asyncio.run(serve(qwen3_tok, replies, body))
-    assert [c.parent_index for c in calls[:5]] == [None, 0, 1, 2, 3]
-    assert proxy_fast_trusted(calls)
+    assert [c.parent_index for c in calls[:5]] == [None, 0, 1, 2, 3]  # 4 bridges: the first 3 verify the fast way
     last = calls[-1]
     assert last.rollout_id == "r2" and last.parent_index is None and last.segment_break == REASONING_DROPPED
     assert "Greet back." not in rendered(qwen3_tok, last)
     check_fidelity(qwen3_tok, calls)
-
-
-def proxy_fast_trusted(calls) -> bool:
-    """4 bridges happened in the first session (the fast way is verified on the first 3)."""
-    return sum(c.parent_index is not None for c in calls if c.rollout_id == "r") >= 4
 
 
 def test_report_counts_reasoning_dropped(qwen3_tok, tmp_path):
