@@ -62,3 +62,18 @@ def test_shares_cover_every_kind() -> None:
 def test_renamed_and_new_files_are_both_paths() -> None:
     d = "diff --git a/old.py b/new.py\nsimilarity index 90%\ndiff --git a/added.py b/added.py\nnew file mode 100644\n"
     assert diff_paths(d) == {"old.py", "new.py", "added.py"}
+
+
+def test_text_mode_actions_are_its_bash_blocks() -> None:
+    """mini-swe-agent's text mode declares no tool: a ```bash block is an action, prose around it is not."""
+    def text_rollout(texts: list[str]) -> Rollout:
+        r = rollout(Outcome.MAX_TURNS, [])
+        r.calls = [LLMCall(rollout_id="r", index=i, wire_format="openai_chat",
+                           request={"messages": [{"role": "user", "content": "fix"}]}, prompt_ids=[1],
+                           completion_ids=[2], completion_logprobs=[-0.1], finish_reason="stop", weight_version=0,
+                           completion_text=t) for i, t in enumerate(texts)]
+        return r
+
+    commented = text_rollout(["Let me look.\n```bash\n# This is a bug in the repository.\n```"] * 2)
+    assert failure_kind(commented, TASK) == "no_edit"  # a valid action that changes nothing
+    assert failure_kind(text_rollout(["The fix:\n```python\ndef f(): pass\n```"] * 2), TASK) == "format"

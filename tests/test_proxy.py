@@ -11,8 +11,8 @@ import pytest
 
 from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.models import render_tool_call_text
+from legorl.models.toolformats.tagged import TaggedJsonParser
 from legorl.proxy.server import Proxy, SamplingOverride
-from legorl.proxy.toolformats.tagged import TaggedJsonParser
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a command",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from test_proxy import Harness
 
 from legorl.engine import ScriptedEngine
+from legorl.models.toolformats.tagged import TaggedJsonParser, XmlFunctionParser
 from legorl.proxy.anthropic_messages import AnthropicMessages
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
-from legorl.proxy.toolformats.tagged import TaggedJsonParser, XmlFunctionParser
 
 SCALARS = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False) | st.text(max_size=12)
 JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=4)

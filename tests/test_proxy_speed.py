@@ -6,12 +6,12 @@ import asyncio
 import gc
 
 from legorl.engine import ScriptedEngine
+from legorl.models.toolformats.tagged import TaggedJsonParser
 from legorl.proxy.bridge import normalize_message
 from legorl.proxy.core import CallCore, SamplingOverride
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.server import Proxy
 from legorl.proxy.sessions import Session
-from legorl.proxy.toolformats.tagged import TaggedJsonParser
 
 
 def test_history_keeps_the_normalised_messages_of_each_call(tokenizer):

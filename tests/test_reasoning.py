@@ -25,9 +25,9 @@ from transformers import PreTrainedTokenizerFast
 
 from legorl.engine import ScriptedEngine
 from legorl.models.chat_format import chat_format
+from legorl.models.toolformats import get_parser
 from legorl.proxy.reasoning import REASONING_DROPPED, split_reasoning
 from legorl.proxy.server import Proxy
-from legorl.proxy.toolformats import get_parser
 
 QWEN3_TEMPLATE = """\
 {%- if tools %}

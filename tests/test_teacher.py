@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from legorl.tasks import builtin_splits
 from legorl.rollout.teacher import CHECK, Slip, gold_line_edit, scripted_teacher, teacher_script
+from legorl.tasks import builtin_splits
 
 TASKS = builtin_splits(48, 0, seed=3)[0]
 

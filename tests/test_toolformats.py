@@ -1,4 +1,4 @@
-"""Tool-call formats of the major families (proxy/toolformats): parsing, round trips, auto-detection, malformed calls.
+"""Tool-call formats of the major families (models/toolformats): parsing, round trips, auto-detection, malformed calls.
 
 Each family's completions are written as its chat template and its model write them (single call, two calls,
 text before the call, reasoning where the family has it), and a malformed call must come back as text *and*
@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import typing
 
 import openai
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from legorl.config import ToolFormat
 from legorl.engine import ScriptedEngine
 from legorl.models.chat_format import TEMPLATE, chat_format
+from legorl.models.toolformats import PARSERS, detect_tool_format, get_parser, parser_names
 from legorl.proxy.server import Proxy
-from legorl.proxy.toolformats import PARSERS, detect_tool_format, get_parser, parser_names
 from legorl.store import _SCHEMA, Store
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
@@ -158,6 +160,11 @@ def test_tag_parameters_are_typed_by_the_tool_schema():
 def test_unknown_format_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown tool-call format 'nope'; choose one of auto, tagged, .*minimax_m2"):
         get_parser("nope")
+
+
+def test_the_config_offers_exactly_the_formats_there_are():
+    """config.py (the ground floor) lists the names itself: every name it offers has a parser, and back."""
+    assert list(typing.get_args(ToolFormat)) == parser_names()
 
 
 # ---- round trips: a template written from the family's documented format ------------------------------------
@@ -368,7 +375,7 @@ def test_proxy_and_config_refuse_an_unknown_format(tokenizer, tmp_path):
 
     with pytest.raises(ValueError, match="unknown tool-call format 'nope'"):
         Proxy(ScriptedEngine(tokenizer), tokenizer, parser="nope")
-    with pytest.raises(ValueError, match="choose one of auto, tagged"):
+    with pytest.raises(ValueError, match="Input should be 'auto', 'tagged', "):
         ModelConfig(tool_format="nope")
     assert ModelConfig().tool_format == "auto" and "auto" in parser_names()
     r = CliRunner().invoke(app, ["proxy", "--run-dir", str(tmp_path), "--parser", "nope"], env={"COLUMNS": "200"})

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys

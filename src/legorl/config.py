@@ -35,10 +35,16 @@ def pulled_model_dir(cache_dir: str | Path, name: str) -> Path:
     return Path(cache_dir).expanduser() / "models" / name
 
 
+# The tool-call syntaxes the proxy parses (models/toolformats: one parser each; a test keeps the two lists
+# equal); auto: the checkpoint's own, read from its chat template.
+ToolFormat = Literal["auto", "tagged", "hermes", "qwen", "qwen3_coder", "llama3_json", "mistral", "deepseek", "glm45",
+                     "kimi_k2", "harmony", "gpt_oss", "minimax_m2"]
+
+
 class ModelConfig(_Section):
     path: str | None = None  # a local HF model directory; None builds the embedded tiny model
     name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]*$")  # a pulled model (legorl models list)
-    tool_format: str = "auto"  # the tool-call syntax the proxy parses; auto: the checkpoint's (its chat template)
+    tool_format: ToolFormat = "auto"  # the tool-call syntax the proxy parses; auto: the checkpoint's (its chat template)
     # the reasoning markers (models/chat_format.py REASONING_STYLES); auto: the ones the checkpoint's template names
     reasoning: Literal["auto", "none", "think", "mistral"] = "auto"
     vocab_size: int = 4096
@@ -49,16 +55,6 @@ class ModelConfig(_Section):
     intermediate_size: int = 384
     max_position_embeddings: int = 4096
     seed: int = 0
-
-
-    @field_validator("tool_format")
-    @classmethod
-    def _known_tool_format(cls, v: str) -> str:
-        from legorl.proxy.toolformats import parser_names
-
-        if v not in parser_names():
-            raise ValueError(f"unknown tool-call format '{v}'; choose one of {', '.join(parser_names())}")
-        return v
 
 
 class SamplingConfig(_Section):

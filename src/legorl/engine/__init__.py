@@ -16,7 +16,7 @@ _WHERE = {
     "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",
 }
 
-__all__ = [  # noqa: PLE0605 - the lazily loaded names
+__all__ = [
     *_WHERE,
 ]
 

@@ -91,8 +91,9 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    import minisweagent.agents.default  # noqa: F401  (pay the import once, before saying ready)
-    import minisweagent.models.litellm_model  # noqa: F401
+    # pay the imports once, before saying ready
+    import minisweagent.agents.default
+    import minisweagent.models.litellm_model
     import minisweagent.models.litellm_textbased_model  # noqa: F401
 
     _reply({"op": "ready", "pid": os.getpid()})

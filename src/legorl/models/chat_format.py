@@ -25,7 +25,7 @@ model answers in the syntax the ``tagged`` parser reads. `legorl proxy` and the 
 warning at start-up; ``proxy.stats()["chat_format"]`` says it.
 
 The tool-call syntax the model writes (``tool_format``: ``hermes``, ``llama3_json``, ``mistral``, ...) is read
-from the template's text, else from the special tokens (`legorl.proxy.toolformats.detect_tool_format`);
+from the template's text, else from the special tokens (`legorl.models.toolformats.detect_tool_format`);
 ``tagged`` when legorl renders tools.
 
 Reasoning. ``reasoning`` is the pair of markers a reasoning model writes its reasoning between
@@ -291,7 +291,7 @@ def _generation_eos(folder: Path | None) -> list[int]:
 def _tool_format(tokenizer: Any, source: str) -> str:
     """The tool-call syntax of a template that renders tools: from its text (every named template) and the
     tokenizer's special tokens; `tagged` (JSON in <tool_call>) with a warning when neither tells."""
-    from legorl.proxy.toolformats import detect_tool_format
+    from legorl.models.toolformats import detect_tool_format
 
     template = tokenizer.chat_template
     text = "\n".join(template.values()) if isinstance(template, dict) else template

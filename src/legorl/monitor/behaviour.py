@@ -12,11 +12,13 @@ that the training loop can log next to its other step metrics.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from legorl.harness.mini_swe_agent import TEXT_ACTION_REGEX
 from legorl.monitor.commands import KINDS, Action, Classified, classify_tool_call, same_file
 from legorl.monitor.messages import Message, conversation_items, declares_tools, new_messages
 from legorl.records import ABANDONED, LLMCall, Rollout, ToolCall
@@ -61,12 +63,19 @@ class RolloutBehaviour:
     mix: Counter[str] = field(default_factory=Counter)
 
 
+def text_actions(text: str) -> list[ToolCall]:
+    """The commands of a text-mode answer (mini-swe-agent's ```bash blocks), as `bash` tool calls."""
+    return [ToolCall(id=f"text-{i}", name="bash", arguments=json.dumps({"command": m.strip()}))
+            for i, m in enumerate(re.findall(TEXT_ACTION_REGEX, text, re.DOTALL))]
+
+
 def turns_from_calls(calls: list[LLMCall]) -> list[Turn]:
     """The agent's turns in call order, each with the harness's reply read from the next request.
 
     Calls without tools in a rollout whose other calls declare tools (e.g. Claude Code's title or
     summary requests) are side requests, not agent turns, and are left out; so are abandoned calls
-    (the client went away before the answer: no turn happened, a retry is the turn).
+    (the client went away before the answer: no turn happened, a retry is the turn). In a rollout that
+    declares no tool at all (mini-swe-agent's text mode) a turn's actions are its ```bash blocks.
     """
     calls = sorted((c for c in calls if c.finish_reason != ABANDONED), key=lambda c: c.index)
     convs = [conversation_items(c.request, c.wire_format) for c in calls]
@@ -77,7 +86,8 @@ def turns_from_calls(calls: list[LLMCall]) -> list[Turn]:
         c = calls[i]
         nxt = keep[pos + 1] if pos + 1 < len(keep) else None
         feedback = new_messages(convs[i], convs[nxt], calls[nxt].wire_format) if nxt is not None else []
-        turns.append(Turn(tool_calls=list(c.tool_calls), text=c.completion_text, finish_reason=c.finish_reason,
+        actions = list(c.tool_calls) if any_tools else text_actions(c.completion_text)
+        turns.append(Turn(tool_calls=actions, text=c.completion_text, finish_reason=c.finish_reason,
                           feedback=feedback))
     return turns
 

@@ -82,7 +82,7 @@ def proxy_command(
         raise typer.BadParameter("choose local or scripted", param_hint="--engine")
     if model is not None and not model.is_dir():
         raise typer.BadParameter(f"{model} is not a local model directory", param_hint="--model")
-    from legorl.proxy.toolformats import parser_names
+    from legorl.models.toolformats import parser_names
 
     if parser not in parser_names():
         raise typer.BadParameter(f"unknown tool-call format '{parser}'; choose one of {', '.join(parser_names())}",

@@ -20,6 +20,7 @@ from typing import Any
 from legorl.config import SamplingConfig
 from legorl.engine.base import ContextOverflowError
 from legorl.models.chat_format import ChatFormat
+from legorl.models.toolformats import ParsedReply, ToolCallParser
 from legorl.proxy.bridge import (
     BridgeResult,
     PastCall,
@@ -32,7 +33,6 @@ from legorl.proxy.errors import ProxyError
 from legorl.proxy.reasoning import REASONING_DROPPED, prompt_opens_reasoning, split_reasoning
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import Session
-from legorl.proxy.toolformats import ParsedReply, ToolCallParser
 from legorl.proxy.wire import Choice, Completion, new_id
 from legorl.records import ABANDONED, GenerationResult, LLMCall, SamplingParams
 

@@ -42,6 +42,7 @@ from starlette.routing import Route
 from legorl.engine.base import Engine
 from legorl.models.chat_format import AUTO_REASONING, ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
+from legorl.models.toolformats import AUTO, ToolCallParser, get_parser
 from legorl.proxy.anthropic_messages import AnthropicMessages
 from legorl.proxy.core import CallCore, SamplingOverride
 from legorl.proxy.errors import ProxyError, anthropic_error_body, gemini_error_body, openai_error_body
@@ -50,7 +51,6 @@ from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.request import ChatRequest
 from legorl.proxy.sessions import CallKind, Session, SessionRegistry, body_key
-from legorl.proxy.toolformats import AUTO, ToolCallParser, get_parser
 from legorl.proxy.wire import Completion
 from legorl.records import LLMCall
 from legorl.serving import LoopServer

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from legorl.proxy.toolformats.base import ParsedReply, answered, call, json_call, malformed, plain
+from legorl.models.toolformats.base import ParsedReply, answered, call, json_call, malformed, plain
 from legorl.records import ToolCall
 
 _DECODER = json.JSONDecoder()

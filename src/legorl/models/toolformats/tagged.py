@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from legorl.proxy.toolformats.base import (
+from legorl.models.toolformats.base import (
     ParsedReply,
     call,
     json_call,

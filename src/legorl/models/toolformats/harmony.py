@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from legorl.proxy.toolformats.base import ParsedReply, call, json_object, malformed, plain
+from legorl.models.toolformats.base import ParsedReply, call, json_object, malformed, plain
 
 _MESSAGE = re.compile(r"(?:<\|start\|>(?P<role>[^<]*))?<\|channel\|>(?P<header>.*?)<\|message\|>"
                       r"(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|\Z)", re.DOTALL)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from legorl.proxy.toolformats.base import ParsedReply, ToolCallParser, new_call_id
-from legorl.proxy.toolformats.harmony import HarmonyParser
-from legorl.proxy.toolformats.json_calls import Llama3JsonParser, MistralParser
-from legorl.proxy.toolformats.sectioned import DeepSeekParser, KimiK2Parser
-from legorl.proxy.toolformats.tagged import Glm45Parser, MiniMaxM2Parser, TaggedJsonParser, XmlFunctionParser
+from legorl.models.toolformats.base import ParsedReply, ToolCallParser, new_call_id
+from legorl.models.toolformats.harmony import HarmonyParser
+from legorl.models.toolformats.json_calls import Llama3JsonParser, MistralParser
+from legorl.models.toolformats.sectioned import DeepSeekParser, KimiK2Parser
+from legorl.models.toolformats.tagged import Glm45Parser, MiniMaxM2Parser, TaggedJsonParser, XmlFunctionParser
 
 __all__ = ["AUTO", "PARSERS", "ParsedReply", "ToolCallParser", "detect_tool_format", "get_parser", "new_call_id",
            "parser_names"]

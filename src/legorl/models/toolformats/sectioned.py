@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from legorl.proxy.toolformats.base import ParsedReply, call, json_object, read_blocks
+from legorl.models.toolformats.base import ParsedReply, call, json_object, read_blocks
 from legorl.records import ToolCall
 
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
