@@ -57,6 +57,8 @@ class Session:
     round_trips: int = 0  # replies whose rendered call the parser read back, name and arguments
     violations: int = 0  # prompts whose tokens do not decode to the template's render of the request
     problems: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the session as one training sequence (while it extends)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on the sampled replies' tokens
 
     @property
     def continued(self) -> int:
@@ -88,6 +90,7 @@ def simulate_session(tokenizer: Any, fmt: ChatFormat, tool_format: str = AUTO,
         completion = _sampled_call(bridge, messages, wanted, out, i)
         if completion is None:
             return out
+        _extend_sequence(out, built.prompt_ids, completion)
         parsed = parser.parse(_body_text(tokenizer, completion), _TOOLS)
         if parsed.malformed is None and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [wanted]:
             out.round_trips += 1
@@ -108,6 +111,13 @@ def _count_extension(out: Session, i: int, built: Any, parent: PastCall) -> None
         out.extended += 1
     else:
         out.note(f"call {i + 1} does not extend call {i}: {built.segment_break or 'another parent'}")
+
+
+def _extend_sequence(out: Session, prompt: list[int], completion: list[int]) -> None:
+    if prompt[:len(out.token_ids)] != out.token_ids:  # a new segment: the sequence starts again
+        out.token_ids, out.loss_mask = [], []
+    out.loss_mask += [0] * (len(prompt) - len(out.token_ids)) + [1] * len(completion)
+    out.token_ids = prompt + completion
 
 
 def _sampled_call(bridge: TokenBridge, messages: list[dict], wanted: tuple[str, dict], out: Session,
