@@ -20,6 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from families import SMOLLM2_TEMPLATE
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
@@ -143,14 +144,6 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 """
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-
-# SmolLM2-135M-Instruct's template, verbatim: ChatML with a default system prompt; no tools, no tool calls.
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 _CORPUS = ["You are a coding agent. List the files, then read README.md and run the tests.",
            '{"name": "bash", "parameters": {"command": "ls -la"}}', "Environment: ipython\nCutting Knowledge Date",

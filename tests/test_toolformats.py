@@ -16,7 +16,7 @@ import typing
 
 import openai
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from families import DETECTED, FAMILIES, build_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from legorl.config import ToolFormat
@@ -168,107 +168,6 @@ def test_the_config_offers_exactly_the_formats_there_are():
 
 
 # ---- round trips: a template written from the family's documented format ------------------------------------
-
-def scaffold(calls: str, end: str = "<|im_end|>", before: str = "''", after: str = "''") -> str:
-    """ChatML turns closed by `end`; an assistant's tool calls as `before`, `calls` once per call (a Jinja
-    fragment seeing the call as `f` and its arguments as `args`), `after`."""
-    return (
-        "{%- macro open(role) %}{{- '<|im_start|>' + role + '\\n' }}{%- endmacro %}"
-        "{%- if tools %}{{- open('system') + '# Tools\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
-        "{%- endfor %}{{- '\\n</tools>" + end + "\\n' }}{%- endif %}"
-        "{%- for m in messages %}"
-        "{%- if m.role == 'assistant' %}{{- open('assistant') + (m.content or '') }}"
-        "{%- if m.tool_calls %}{{- " + before + " }}{%- for tc in m.tool_calls %}"
-        "{%- set f = tc.function if tc.function is defined else tc %}{%- set args = f.arguments %}" + calls
-        + "{%- endfor %}{{- " + after + " }}{%- endif %}{{- '" + end + "\\n' }}"
-        "{%- else %}{{- open(m.role) + m.content + '" + end + "\\n' }}{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- open('assistant') }}{%- endif %}"
-    )
-
-
-def _value() -> str:  # a parameter as the tag formats write it: strings raw, the rest as JSON
-    return "(v if v is string else v | tojson)"
-
-
-HARMONY_TEMPLATE = (  # gpt-oss: every turn a message; a call is a commentary message to functions.NAME
-    "{%- if tools %}{{- '<|start|>developer<|message|># Tools\\n' }}{%- for t in tools %}{{- (t | tojson) + '\\n' }}"
-    "{%- endfor %}{{- '<|end|>' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}"
-    "{%- if m.content %}{{- '<|start|>assistant<|channel|>' + ('commentary' if m.tool_calls else 'final') "
-    "+ '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
-    "{%- for tc in m.tool_calls or [] %}{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '<|start|>assistant<|channel|>commentary to=functions.' + f.name + ' <|constrain|>json<|message|>' "
-    "+ (f.arguments | tojson) + '<|call|>' }}{%- endfor %}"
-    "{%- elif m.role == 'tool' %}{{- '<|start|>functions.tool to=assistant<|channel|>commentary<|message|>' "
-    "+ m.content + '<|end|>' }}"
-    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
-)
-
-# format -> (template, special tokens (the end of a turn first), the end of the assistant's tool-call text, whether
-# the format writes text and several calls)
-FAMILIES = {
-    "hermes": (scaffold("{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (args | tojson) "
-                        "+ '}\\n</tool_call>' }}"), ["<|im_end|>", "<tool_call>", "</tool_call>"], "<|im_end|>", True),
-    "qwen3_coder": (scaffold("{{- '\\n<tool_call>\\n<function=' + f.name + '>\\n' }}{%- for k, v in args.items() %}"
-                             "{{- '<parameter=' + k + '>\\n' + " + _value() + " + '\\n</parameter>\\n' }}"
-                             "{%- endfor %}{{- '</function>\\n</tool_call>' }}"),
-                    ["<|im_end|>", "<tool_call>", "</tool_call>"], "<|im_end|>", True),
-    "llama3_json": (scaffold("{{- '{\"name\": \"' + f.name + '\", \"parameters\": ' + (args | tojson) + '}' }}",
-                             end="<|eot_id|>"), ["<|eot_id|>", "<|python_tag|>"], "<|eot_id|>", False),
-    "mistral": (scaffold("{{- '[TOOL_CALLS]' + f.name + '[ARGS]' + (args | tojson) }}", end="</s>"),
-                ["</s>", "[TOOL_CALLS]", "[ARGS]"], "</s>", True),
-    "mistral_v3": (scaffold("{{- (', ' if not loop.first else '') + '{\"name\": \"' + f.name + '\", \"arguments\": ' "
-                            "+ (args | tojson) + '}' }}", end="</s>", before="'[TOOL_CALLS]['", after="']'"),
-                   ["</s>", "[TOOL_CALLS]"], "</s>", True),
-    "deepseek": (scaffold("{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + f.name + '\\n```json\\n' "
-                          "+ (args | tojson) + '\\n```<｜tool▁call▁end｜>' }}", end="<｜end▁of▁sentence｜>",
-                          before="'<｜tool▁calls▁begin｜>'", after="'<｜tool▁calls▁end｜>'"),
-                 ["<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                  "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"], "<｜end▁of▁sentence｜>", True),
-    "deepseek_v31": (scaffold("{{- '<｜tool▁call▁begin｜>' + f.name + '<｜tool▁sep｜>' + (args | tojson) "
-                              "+ '<｜tool▁call▁end｜>' }}", end="<｜end▁of▁sentence｜>",
-                              before="'<｜tool▁calls▁begin｜>'", after="'<｜tool▁calls▁end｜>'"),
-                     ["<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                      "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"], "<｜end▁of▁sentence｜>", True),
-    "glm45": (scaffold("{{- '\\n<tool_call>' + f.name + '\\n' }}{%- for k, v in args.items() %}{{- '<arg_key>' + k "
-                       "+ '</arg_key>\\n<arg_value>' + " + _value() + " + '</arg_value>\\n' }}{%- endfor %}"
-                       "{{- '</tool_call>' }}"),
-              ["<|im_end|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
-              "<|im_end|>", True),
-    "kimi_k2": (scaffold("{{- '<|tool_call_begin|>functions.' + f.name + ':' + (loop.index0 | string) "
-                         "+ '<|tool_call_argument_begin|>' + (args | tojson) + '<|tool_call_end|>' }}",
-                         before="'<|tool_calls_section_begin|>'", after="'<|tool_calls_section_end|>'"),
-                ["<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"], "<|im_end|>", True),
-    "harmony": (HARMONY_TEMPLATE, ["<|end|>", "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>",
-                                   "<|return|>"], "<|call|>", True),
-    "minimax_m2": (scaffold("{{- '<invoke name=\"' + f.name + '\">\\n' }}{%- for k, v in args.items() %}"
-                            "{{- '<parameter name=\"' + k + '\">' + " + _value() + " + '</parameter>\\n' }}"
-                            "{%- endfor %}{{- '</invoke>\\n' }}", end="[e~[", before="'\\n<minimax:tool_call>\\n'",
-                            after="'</minimax:tool_call>'"), ["[e~[", "<minimax:tool_call>", "</minimax:tool_call>"],
-                   "[e~[", True),
-}
-DETECTED = {"mistral_v3": "mistral", "deepseek_v31": "deepseek"}  # template variants of one format
-
-
-def build_tokenizer(template: str, special: list[str]) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE (every string round-trips) with the family's markers as special tokens (ChatML's
-    too), ending turns on `special[0]`."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["bash ls -la cat README.md write a.json"] * 5, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    chatml = [t for t in ("<|im_start|>", "<|im_end|>") if t not in special]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [*special, *chatml]])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special[0], clean_up_tokenization_spaces=False)
-    fast.chat_template = template
-    return fast
-
 
 @pytest.fixture(scope="module")
 def tokenizers() -> dict[str, PreTrainedTokenizerFast]:

@@ -163,8 +163,20 @@ def _check(cmd: list[str]) -> tuple[bool, str]:
 
 
 @app.command()
-def doctor() -> None:
-    """Check this machine can run legorl, and say how to fix what is missing."""
+def doctor(
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="check a model directory instead: will legorl train this checkpoint?")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="with --model: the checks as JSON")] = False,
+    tool_format: Annotated[str, typer.Option("--tool-format", help="with --model: model.tool_format to check")]
+    = "auto",
+    max_context: Annotated[int | None, typer.Option(
+        "--max-context", help="with --model: the context the runs need, in tokens")] = None,
+) -> None:
+    """Check this machine can run legorl (or, with --model DIR, that legorl can train that checkpoint), and say
+    how to fix what is missing."""
+    if model is not None:
+        _doctor_model(model, as_json, tool_format, max_context)
+        return
     rows: list[tuple[str, bool, str, bool]] = []  # name, ok, detail/fix, required
     bwrap = shutil.which("bwrap")
     rows.append(("bubblewrap", bwrap is not None, bwrap or "apt-get install -y bubblewrap", True))
@@ -205,6 +217,33 @@ def doctor() -> None:
         t.add_row(name, status, detail)
     Console().print(t)
     if not all(ok for _, ok, _, required in rows if required):
+        raise typer.Exit(1)
+
+
+def _doctor_model(model: Path, as_json: bool, tool_format: str, max_context: int | None) -> None:
+    """`legorl doctor --model DIR`: the preflight's checks as a table (or JSON); status 1 when one fails."""
+    from dataclasses import asdict
+
+    from legorl.preflight import FAIL, OK, failed, preflight
+    from legorl.proxy.toolformats import parser_names
+
+    if not model.is_dir():
+        _fail(f"{model} is not a directory (give a model directory as save_pretrained writes it)")
+    if tool_format not in parser_names():
+        _fail(f"unknown tool-call format '{tool_format}'; choose one of {', '.join(parser_names())}")
+    checks = preflight(model, tool_format=tool_format, max_context=max_context)
+    if as_json:
+        print(json.dumps({"model": str(model), "ok": not failed(checks), "checks": [asdict(c) for c in checks]},
+                         indent=2))
+    else:
+        t = Table(title=f"legorl doctor --model {model}")
+        for col in ("check", "status", "found", "what to set"):
+            t.add_column(col, overflow="fold")
+        colour = {OK: "green", FAIL: "red"}
+        for c in checks:
+            t.add_row(c.name, f"[{colour.get(c.status, 'yellow')}]{c.status}", c.found, c.fix)
+        Console().print(t)
+    if failed(checks):
         raise typer.Exit(1)
 
 

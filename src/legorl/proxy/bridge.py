@@ -286,6 +286,7 @@ class BridgeResult:
     norm: list[tuple] | None = None  # normalize_message of each request message, when the build made them
 
 
+NOT_PREFIX_STABLE = "chat template is not prefix-stable for this history"
 NEW_CONVERSATION = "history rewritten or a new conversation: the messages do not extend any earlier call of this session"
 
 
@@ -365,45 +366,51 @@ class TokenBridge:
                 break
             ids = self._bridge(messages, tools, k + 1, past, full)
             if ids is None:
-                reason = "chat template is not prefix-stable for this history"
+                reason = NOT_PREFIX_STABLE
                 break
             return BridgeResult(ids, past.index, None, ids != naive_ids, naive_ids, full, norm)
         return BridgeResult(naive_ids, None, reason, False, naive_ids, full, norm)
 
     def _reply_end(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
-                   full: str) -> int | None:
-        """Where, in `full`, the end-of-turn token closing message k-1 (the parent's reply) starts.
+                   full: str, closer: str) -> tuple[int, str] | None:
+        """Where, in `full`, the token closing message k-1 (the parent's reply) starts, and that token's text.
 
-        Exact way: render messages[:k] and find its last end-of-turn. Fast way (no second render):
-        the first end-of-turn after the parent's own rendered prompt, valid when the reply's text holds
-        no end-of-turn string; the fast way is checked against the exact one on the first bridges.
+        The closer is the turn-end token the reply was sampled with when the template writes it there (gpt-oss
+        ends a tool call on <|call|>, other turns on <|end|>), else the template's end-of-turn (Llama's sampled
+        <|eom_id|> is rendered as <|eot_id|>). Exact way: render messages[:k] and find its last closer. Fast way
+        (no second render): the first closer after the parent's own rendered prompt, valid when the reply's text
+        holds no closer string; the fast way is checked against the exact one on the first bridges.
         """
         fast = None
         if self._fast_ok and past.prompt_text and full.startswith(past.prompt_text) and \
-                self.eos_text not in json.dumps(messages[k - 1], ensure_ascii=False, default=str):
-            at = full.find(self.eos_text, len(past.prompt_text))
+                closer not in json.dumps(messages[k - 1], ensure_ascii=False, default=str):
+            at = full.find(closer, len(past.prompt_text))
             fast = at if at >= 0 else None
         if fast is not None and self._fast_verify_left <= 0:
-            return fast
+            return fast, closer
         upto_reply = self.render(messages[:k], tools, generation_prompt=False)
         if not full.startswith(upto_reply):
             return None
-        end = upto_reply.rfind(self.eos_text)
+        end = upto_reply.rfind(closer)
+        if closer != self.eos_text and end <= upto_reply.rfind(self.eos_text):  # not what closes the reply
+            closer, end = self.eos_text, upto_reply.rfind(self.eos_text)
         if fast is not None:
             self._fast_verify_left -= 1
             if fast != end:
                 self._fast_ok = False
-        return end if end >= 0 else None
+        return (end, closer) if end >= 0 else None
 
     def _bridge(self, messages: list[dict], tools: list[dict] | None, k: int, past: PastCall,
                 full: str) -> list[int] | None:
         """Tokens of `full` with the first k messages replaced by the parent's exact tokens."""
-        end = self._reply_end(messages, tools, k, past, full)
-        if end is None:
+        # A reply that ended on a turn-ending id (the end-of-turn token, or another the model may sample, e.g.
+        # Llama's <|eom_id|>, gpt-oss's <|call|>) is closed already; one cut by max_tokens or a stop string is not.
+        ended = bool(past.completion_ids) and past.completion_ids[-1] in self.turn_end_ids
+        closer = self.tok.convert_ids_to_tokens(past.completion_ids[-1]) if ended else self.eos_text
+        found = self._reply_end(messages, tools, k, past, full, closer)
+        if found is None:
             return None
-        # After the reply's end-of-turn: what the template puts there (e.g. "\n"), then the new turns.
-        # A reply that ended on a turn-ending id (the end-of-turn token, or an eos the model may sample in its
-        # place, e.g. Llama's <|eom_id|>) is closed already; one cut by max_tokens or a stop string is not.
-        closing = "" if past.completion_ids and past.completion_ids[-1] in self.turn_end_ids else self.eos_text
-        tail = closing + full[end + len(self.eos_text):]
+        end, closer = found
+        # After the reply's closer: what the template puts there (e.g. "\n"), then the new turns.
+        tail = ("" if ended else self.eos_text) + full[end + len(closer):]
         return past.prompt_ids + past.completion_ids + self.encode(tail)
