@@ -176,9 +176,7 @@ def test_remote_engine_conformance(cls, tok, ref, other, tmp_path: Path) -> None
                 with pytest.raises(ContextOverflowError):
                     await blind.generate([5] * 256, SamplingParams(max_tokens=2))
                 await blind.close()
-                # vLLM re-reads the served directory (written in place); SGLang loads a new one per version.
-                written = served_dir / ("model.safetensors" if cls is VLLMEngine else "v1/model.safetensors")
-                assert written.exists()
+                assert (served_dir / "v1/model.safetensors").exists()  # a new directory per version
             finally:
                 await engine.close()
 
