@@ -96,7 +96,7 @@ def vllm_serve_command(
         "--chunked-prefill", help="split long prompts across steps (GPU only: the CPU build crashes)")] = False,
     logprobs_mode: Annotated[str, typer.Option(
         "--logprobs-mode", help="only processed_logprobs is accepted (the trainer's definition)")] = "processed_logprobs",
-    kv_cache_gib: Annotated[float, typer.Option("--kv-cache-gib", help="CPU: KV cache size")] = 1.0,
+    kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", help="CPU: KV cache size, whole GiB")] = 1,
     log_file: Annotated[Path, typer.Option("--log-file", help="the server's output")] = Path("vllm-server.log"),
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", help="seconds to wait for /health")] = 600.0,
     python: Annotated[Path | None, typer.Option(

@@ -124,6 +124,7 @@ class RemoteEngine:
     """Shared client machinery; subclasses speak one server API (see module docstring)."""
 
     kind = "remote"
+    tied_head_file = False  # write a tied LM head as its own tensor (see VLLMEngine)
 
     def __init__(
         self,
@@ -402,7 +403,7 @@ class RemoteEngine:
             for f in self.base_model_dir.iterdir():
                 if f.is_file() and not _is_weight_file(f):
                     shutil.copy2(f, tmp / f.name)
-        _save_safetensors(state_dict, tmp / "model.safetensors")
+        _save_safetensors(state_dict, tmp / "model.safetensors", tied_head=self.tied_head_file)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
 
@@ -462,15 +463,18 @@ def _is_weight_file(f: Path) -> bool:
     return f.name.endswith((".safetensors", ".bin", ".pt")) or f.name.endswith(".index.json")
 
 
-def _save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def _save_safetensors(state_dict: dict[str, torch.Tensor], path: Path, *, tied_head: bool = False) -> None:
+    """A tied LM head shares the embedding's storage: stored once, unless ``tied_head`` (then a copy)."""
     from safetensors.torch import save_file
 
     seen: set[int] = set()
     tensors = {}
-    for k, v in state_dict.items():  # a tied LM head shares the embedding's storage: stored once
+    for k, v in state_dict.items():
         ptr = v.data_ptr()
         if ptr in seen and k.endswith("lm_head.weight"):
-            continue
+            if not tied_head:
+                continue
+            v = v.clone()  # safetensors refuses two names for one storage
         seen.add(ptr)
         tensors[k] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(path))
@@ -529,6 +533,9 @@ class VLLMEngine(RemoteEngine):
     """
 
     kind = "vllm"
+    # vLLM's reload_weights keeps its own copy of a tied LM head: a checkpoint without lm_head.weight
+    # reloads the embedding but leaves the old head (measured on 0.32: logprobs off, Pearson 0.45)
+    tied_head_file = True
 
     def __init__(self, urls: list[str] | str, *, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__(urls, **kwargs)

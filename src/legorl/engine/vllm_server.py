@@ -50,7 +50,7 @@ class VLLMServerConfig:
     chunked_prefill: bool = False
     prefix_caching: bool = True
     logprobs_mode: str = LOGPROBS_MODE
-    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM reads an integer)
     gpu_memory_utilization: float | None = None  # cuda: vLLM's default (0.9) when None
     return_routed_experts: bool = False  # MoE models (needs a vLLM that has the flag)
     extra_args: tuple[str, ...] = ()  # passed through as they are
@@ -80,6 +80,8 @@ def refusals(cfg: VLLMServerConfig) -> list[str]:
             f"max_num_batched_tokens {cfg.batched_tokens} < max_model_len {cfg.max_model_len}: without "
             "chunked prefill a step must hold a whole prompt"
         )
+    if cfg.device == "cpu" and (not isinstance(cfg.kv_cache_gib, int) or cfg.kv_cache_gib < 1):
+        why.append(f"KV cache of {cfg.kv_cache_gib!r} GiB: the CPU build takes a whole number of GiB, at least 1")
     if cfg.device == "cpu" and cfg.dtype == "float16":
         why.append("float16 on the CPU build: use float32 (exact logprobs) or bfloat16")
     return why
@@ -115,7 +117,7 @@ def environment(cfg: VLLMServerConfig, base: dict[str, str] | None = None) -> di
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if cfg.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     env.pop("PYTHONPATH", None)  # legorl's environment must not leak into vLLM's
     return env
 
