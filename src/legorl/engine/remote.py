@@ -522,7 +522,8 @@ class VLLMEngine(RemoteEngine):
 
     Stop strings: a server without a tokenizer ignores them, so this client applies them itself with
     ``tokenizer`` (the completion ends at the token that completes one, as in the embedded engine);
-    without a tokenizer a request with stop strings is refused.
+    without a tokenizer a request with stop strings is refused. They are still sent: a server with a
+    tokenizer (``legorl serve``) stops there and saves the tokens after, with the same result.
 
     Weight reload (vLLM >= 0.32, dev mode): ``POST /collective_rpc {"method": "reload_weights",
     "kwargs": {"weights_path": DIR}}`` loads a new directory per version (``checkpoint_dir/vN``), then
@@ -559,7 +560,6 @@ class VLLMEngine(RemoteEngine):
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
-        body.pop("stop", None)  # applied by this client (_finish): the server has no tokenizer
         if self.model is None:
             del body["model"]
         return "/v1/completions", body
