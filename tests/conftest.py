@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from backends import box_cfg, docker_box_cfg  # noqa: F401 - the sandbox backend fixtures (tests/backends.py)
+from vllm_real import real_vllm  # noqa: F401 - a real vLLM server for the session (tests/vllm_real.py)
 
 # One cache for the whole test session: the tokenizer and model builds are deterministic.
 CACHE = Path(os.environ.get("LEGORL_TEST_CACHE", Path(__file__).resolve().parents[1] / ".pytest_cache" / "legorl"))

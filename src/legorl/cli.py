@@ -256,9 +256,10 @@ app.add_typer(tasks_app, name="tasks")
 from legorl.monitor.cli import dashboard_command
 
 app.command("dashboard")(dashboard_command)
-from legorl.engine.cli import serve_command
+from legorl.engine.cli import serve_command, vllm_app
 
 app.command("serve")(serve_command)
+app.add_typer(vllm_app, name="vllm")
 from legorl.proxy.cli import proxy_command
 
 app.command("proxy")(proxy_command)

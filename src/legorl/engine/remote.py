@@ -11,7 +11,10 @@ of the rollout id). A server that fails (connection error, 5xx, timeout, invalid
 marked down and the call is retried on another; down servers are probed again (``/health``)
 after ``recheck_s``. When no server can answer, the call fails with EngineError (the rollout
 outcome ``engine_error``). Bad requests (4xx) are not retried; a context-length 400 becomes
-ContextOverflowError.
+ContextOverflowError. Once the context length is known (given, or ``max_model_len`` from
+``/v1/models``), a prompt with no room fails with ContextOverflowError before it is sent, and
+``max_tokens`` is capped to the room left, as the embedded engine does (vLLM would cut the
+completion silently).
 
 Weight sync: ``update_weights(state_dict)`` writes a safetensors checkpoint under
 ``checkpoint_dir`` (shared disk), or ``update_weights_from_dir(path)`` uses one that the trainer
@@ -29,6 +32,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -120,6 +124,7 @@ class RemoteEngine:
     """Shared client machinery; subclasses speak one server API (see module docstring)."""
 
     kind = "remote"
+    tied_head_file = False  # write a tied LM head as its own tensor (see VLLMEngine)
 
     def __init__(
         self,
@@ -194,6 +199,10 @@ class RemoteEngine:
             )
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        room = self.max_context() - len(prompt_ids)
+        if params.max_tokens > room:  # the embedded engine's rule; vLLM would cut the completion silently
+            params = dataclasses.replace(params, max_tokens=room)
+        self._check_params(params)
         await self._open.wait()
         self._inflight += 1
         self._idle.clear()
@@ -230,7 +239,8 @@ class RemoteEngine:
             server.served += 1
             if rollout_id:
                 self._stick(rollout_id, server)
-            return GenerationResult(ids, lps, finish, version, routed_experts=routes)
+            return self._finish(GenerationResult(ids, lps, finish, version, routed_experts=routes), params,
+                                len(prompt_ids))
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
         """Write ``state_dict`` as a checkpoint under ``checkpoint_dir`` and have every server reload it."""
@@ -297,8 +307,12 @@ class RemoteEngine:
                 and not s.stale
                 and id(s) not in tried
                 and time.monotonic() - s.down_since >= self.recheck_s
+                and await self._probe(s)
+                and not await self._serves_current_weights(s)
             ):
-                await self._probe(s)
+                log.error("%s server %s came back with other weights: out of rotation until the next reload",
+                          self.kind, s.url)
+                s.stale = True
         healthy = [s for s in self.servers if self._usable(s) and id(s) not in tried]
         if not healthy:
             return None
@@ -344,7 +358,8 @@ class RemoteEngine:
 
     # ---- HTTP ----
 
-    async def _post(self, server: _Server, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, server: _Server, path: str, body: dict[str, Any], *, answer: bool = True) -> Any:
+        """POST ``body``; the JSON answer (``answer=False``: a route that answers 200 with no body)."""
         where = f"{server.url}{path}"
         try:
             r = await self._client.post(where, json=body)
@@ -354,9 +369,11 @@ class RemoteEngine:
             raise _Retryable(f"{where}: HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
             message = _error_message(r)
-            if "context" in message.lower() or "ContextOverflow" in r.text:
+            if _CONTEXT_ERROR.search(message) or "ContextOverflow" in r.text:
                 raise ContextOverflowError(f"{where}: {message}")
             raise EngineError(f"{where}: HTTP {r.status_code}: {message}")
+        if not answer:
+            return None
         try:
             return r.json()
         except ValueError as e:
@@ -386,7 +403,7 @@ class RemoteEngine:
             for f in self.base_model_dir.iterdir():
                 if f.is_file() and not _is_weight_file(f):
                     shutil.copy2(f, tmp / f.name)
-        _save_safetensors(state_dict, tmp / "model.safetensors")
+        _save_safetensors(state_dict, tmp / "model.safetensors", tied_head=self.tied_head_file)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
 
@@ -397,6 +414,17 @@ class RemoteEngine:
             raise InvalidResponse(f"{where}: served weight version {label!r}, expected {self.weight_version}")
 
     # ---- per-API parts ----
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Refuse what this server API cannot honour (EngineError naming the fix)."""
+
+    def _finish(self, result: GenerationResult, params: SamplingParams, prompt_len: int) -> GenerationResult:
+        """Client-side post-processing of a validated result (default: none)."""
+        return result
+
+    async def _serves_current_weights(self, server: _Server) -> bool:
+        """Whether a server that came back after being down still has this client's weights."""
+        return True
 
     def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError
@@ -410,19 +438,43 @@ class RemoteEngine:
         raise NotImplementedError
 
 
+# vLLM: "This model's maximum context length is ...", "The decoder prompt (length N) is longer than the
+# maximum model length of N", and for a prompt exactly at the limit (vLLM caps max_tokens to the room
+# left, 0) "max_tokens must be at least 1, got 0"; legorl serve and SGLang: "context"
+_CONTEXT_ERROR = re.compile(
+    r"context|maximum model length|max_model_len|max_tokens must be at least 1, got 0", re.IGNORECASE
+)
+
+
+def stop_string_end(ids: list[int], stops: list[str], tokenizer: Any) -> int | None:
+    """Index of the token that completes the first stop string in the decoded ``ids`` (None: no stop
+    string), by the embedded engine's rule: the completion ends at that token, kept."""
+    if not any(s and s in tokenizer.decode(ids, skip_special_tokens=False) for s in stops):
+        return None
+    window = max((len(s.encode()) for s in stops), default=0) + 2  # every token is at least one byte
+    for i in range(len(ids)):
+        text = tokenizer.decode(ids[max(0, i + 1 - window) : i + 1], skip_special_tokens=False)
+        if any(s and s in text for s in stops):
+            return i
+    return None
+
+
 def _is_weight_file(f: Path) -> bool:
     return f.name.endswith((".safetensors", ".bin", ".pt")) or f.name.endswith(".index.json")
 
 
-def _save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def _save_safetensors(state_dict: dict[str, torch.Tensor], path: Path, *, tied_head: bool = False) -> None:
+    """A tied LM head shares the embedding's storage: stored once, unless ``tied_head`` (then a copy)."""
     from safetensors.torch import save_file
 
     seen: set[int] = set()
     tensors = {}
-    for k, v in state_dict.items():  # a tied LM head shares the embedding's storage: stored once
+    for k, v in state_dict.items():
         ptr = v.data_ptr()
         if ptr in seen and k.endswith("lm_head.weight"):
-            continue
+            if not tied_head:
+                continue
+            v = v.clone()  # safetensors refuses two names for one storage
         seen.add(ptr)
         tensors[k] = v.detach().to("cpu").contiguous()
     save_file(tensors, str(path))
@@ -464,16 +516,38 @@ def _sampling_fields(params: SamplingParams, *, max_tokens: str, seed: str) -> d
 
 
 class VLLMEngine(RemoteEngine):
-    """vLLM servers (``vllm serve MODEL --return-tokens-as-token-ids --logprobs-mode processed_logprobs``).
+    """vLLM servers started by ``legorl vllm serve --model DIR`` (engine/vllm_server.py has the flags:
+    token ids in and out with ``--skip-tokenizer-init``, ``--logprobs-mode processed_logprobs``, no
+    chunked prefill on the CPU build, ``VLLM_SERVER_DEV_MODE=1`` for the weight routes).
 
-    Weight reload uses vLLM's dev-mode ``POST /collective_rpc {"method": "reload_weights"}``
-    (``VLLM_SERVER_DEV_MODE=1``), which re-reads the directory the server was started from. So
-    ``checkpoint_dir`` must be that directory (serve a copy of the base checkpoint):
-    ``update_weights`` overwrites its safetensors in place; ``update_weights_from_dir`` expects the
-    trainer to have done so. See docs/engines.md.
+    Stop strings: a server without a tokenizer ignores them, so this client applies them itself with
+    ``tokenizer`` (the completion ends at the token that completes one, as in the embedded engine);
+    without a tokenizer a request with stop strings is refused. They are still sent: a server with a
+    tokenizer (``legorl serve``) stops there and saves the tokens after, with the same result.
+
+    Weight reload (vLLM >= 0.32, dev mode): ``POST /collective_rpc {"method": "reload_weights",
+    "kwargs": {"weights_path": DIR}}`` loads a new directory per version (``checkpoint_dir/vN``), then
+    ``/reset_prefix_cache`` (the prefix cache keeps the old weights' KV otherwise) and
+    ``/update_weight_version``; a server that comes back from being down must report the client's
+    version on ``GET /weight_info`` (a restarted server is back on its start-up weights).
+    See docs/engines.md.
     """
 
     kind = "vllm"
+    # vLLM's reload_weights keeps its own copy of a tied LM head: a checkpoint without lm_head.weight
+    # reloads the embedding but leaves the old head (measured on 0.32: logprobs off, Pearson 0.45)
+    tied_head_file = True
+
+    def __init__(self, urls: list[str] | str, *, tokenizer: Any = None, **kwargs: Any) -> None:
+        super().__init__(urls, **kwargs)
+        self.tokenizer = tokenizer
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise EngineError(
+                f"stop strings {params.stop!r}: a vLLM server started with --skip-tokenizer-init ignores "
+                "them; give VLLMEngine a tokenizer (tokenizer=...) so that the client applies them"
+            )
 
     def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
@@ -489,6 +563,19 @@ class VLLMEngine(RemoteEngine):
         if self.model is None:
             del body["model"]
         return "/v1/completions", body
+
+    def _finish(self, result: GenerationResult, params: SamplingParams, prompt_len: int) -> GenerationResult:
+        if not params.stop:
+            return result
+        end = stop_string_end(result.completion_ids, params.stop, self.tokenizer)
+        if end is None:
+            return result
+        n = end + 1
+        routes = result.routed_experts[: prompt_len + n] if result.routed_experts is not None else None
+        return dataclasses.replace(
+            result, completion_ids=result.completion_ids[:n], logprobs=result.logprobs[:n],
+            finish_reason="stop", routed_experts=routes,
+        )
 
     def _parse(
         self, data: Any, prompt_len: int, where: str
@@ -523,27 +610,20 @@ class VLLMEngine(RemoteEngine):
                 )
         return ids, lps, finish, routes
 
-    def _checkpoint_path(self, version: int) -> Path:
-        assert self.checkpoint_dir is not None
-        return self.checkpoint_dir  # vLLM reloads the directory it serves: written in place
-
-    def _write_checkpoint(self, state_dict: dict[str, torch.Tensor], path: Path) -> None:
-        """Replace the weights of the served directory ``path`` (its config and tokenizer stay)."""
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / "model.safetensors.tmp"
-        _save_safetensors(state_dict, tmp)
-        for f in path.iterdir():
-            if f.is_file() and _is_weight_file(f):
-                f.unlink()
-        tmp.rename(path / "model.safetensors")
-
     async def _reload(self, server: _Server, path: str, version: int) -> None:
-        # Stock vLLM: reload_weights() takes no path, it re-reads the served directory.
-        await self._post(server, "/collective_rpc", {"method": "reload_weights"})
+        await self._post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        await self._post(server, "/reset_prefix_cache", {}, answer=False)  # else later calls reuse the old weights' KV
+        await self._post(server, "/update_weight_version", {"new_version": str(version)})
+
+    async def _serves_current_weights(self, server: _Server) -> bool:
+        if self.weight_version == 0:
+            return True  # nothing loaded yet: every server has the start-up weights
         try:
-            await self._client.post(f"{server.url}/reset_prefix_cache")
-        except httpx.HTTPError:
-            pass
+            r = await self._client.get(f"{server.url}/weight_info", timeout=5.0)
+            label = r.json().get("weight_version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        return label is not None and str(label) == str(self.weight_version)
 
 
 class SGLangEngine(RemoteEngine):

@@ -14,7 +14,8 @@ Routes (token ids in, token ids + logprobs out; no streaming, one sample per req
     GET  /v1/models                 the served model with ``max_model_len``
     GET  /get_model_info            SGLang shape; /get_weight_version -> {"weight_version": label}
     POST /update_weights_from_disk  SGLang: {"model_path": dir, "weight_version": label?} loads every *.safetensors
-    POST /collective_rpc            vLLM dev-mode shape: {"method": "reload_weights", "kwargs": {"model_path"?}}
+    POST /collective_rpc            vLLM 0.32 dev-mode shape: {"method": "reload_weights", "kwargs": {"weights_path"?}}
+    POST /update_weight_version     vLLM dev mode: {"new_version": label}; GET /weight_info -> {"weight_version": label}
     POST /reset_prefix_cache        clears the prefix cache
     GET  /stats                     legorl: the engine's counters (prefill tokens computed / reused, ...)
 
@@ -146,6 +147,8 @@ class EngineServer:
             Route("/update_weights_from_disk", self.update_from_disk, methods=["POST"]),
             Route("/collective_rpc", self.collective_rpc, methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST", "GET"]),
+            Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
+            Route("/weight_info", self.weight_version, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes)
         self._loop_server = LoopServer(self.app)
@@ -394,10 +397,20 @@ class EngineServer:
                 )
             kwargs = body.get("kwargs") or {}
             label = kwargs.get("weight_version")
-            await self._reload(kwargs.get("model_path"), None if label is None else str(label))
+            await self._reload(kwargs.get("weights_path"), None if label is None else str(label))
         except (BadRequest, EngineError) as e:
             return _error(str(e))
         return JSONResponse({"results": [None]})
+
+    async def update_weight_version(self, request: Request) -> JSONResponse:
+        try:
+            label = (await self._body(request)).get("new_version")
+            if label is None:
+                raise BadRequest("give new_version")
+        except BadRequest as e:
+            return _error(str(e))
+        self._label = str(label)
+        return JSONResponse({"success": True, "new_version": self._label})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         self.engine.clear_prefix_cache()

@@ -75,9 +75,11 @@ def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
     e = cfg.engine
     if not e.urls:
         raise ValueError(f"engine.kind is {e.kind} but engine.urls is empty: give one URL per server")
-    cls = VLLMEngine if e.kind == "vllm" else SGLangEngine
-    return cls(e.urls, checkpoint_dir=e.checkpoint_dir, base_model_dir=cfg.model.path,
-               vocab_size=len(tokenizer))
+    common: dict[str, Any] = {"checkpoint_dir": e.checkpoint_dir, "base_model_dir": cfg.model.path,
+                              "vocab_size": len(tokenizer)}
+    if e.kind == "vllm":  # vLLM serves without a tokenizer: the client applies stop strings
+        return VLLMEngine(e.urls, tokenizer=tokenizer, **common)
+    return SGLangEngine(e.urls, **common)
 
 
 def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task, str], list[str]] | None]:

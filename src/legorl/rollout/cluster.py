@@ -82,7 +82,7 @@ class RolloutWorker:
         if kind == "local":  # the driver's embedded engine, served over HTTP
             from legorl.engine.remote import VLLMEngine
 
-            return VLLMEngine([self.engine_url], vocab_size=len(self.tokenizer))
+            return VLLMEngine([self.engine_url], vocab_size=len(self.tokenizer), tokenizer=self.tokenizer)
         if kind == "scripted":
             from legorl.engine.scripted import ScriptedEngine
 
