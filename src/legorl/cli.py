@@ -225,7 +225,7 @@ def _doctor_model(model: Path, as_json: bool, tool_format: str, max_context: int
     from dataclasses import asdict
 
     from legorl.preflight import FAIL, OK, failed, preflight
-    from legorl.proxy.toolformats import parser_names
+    from legorl.models.toolformats import parser_names
 
     if not model.is_dir():
         _fail(f"{model} is not a directory (give a model directory as save_pretrained writes it)")

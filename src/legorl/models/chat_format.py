@@ -93,7 +93,7 @@ class ChatFormat:
     tools: str  # TEMPLATE or LEGORL: who renders tool lists, calls and results
     missing: tuple[str, ...] = ()  # what of a tool conversation the template does not render
     source: str = ""  # the template's file, for messages
-    tool_format: str = "tagged"  # the tool-call syntax the model writes (a name of proxy.toolformats.PARSERS)
+    tool_format: str = "tagged"  # the tool-call syntax the model writes (a name of models.toolformats.PARSERS)
     reasoning: tuple[str, str] | None = None  # (open, close) markers of the model's reasoning; None: it has none
 
     def summary(self) -> dict[str, Any]:
