@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import wait_until_async
 
+from legorl.config import EngineConfig
 from legorl.engine import (
     ContextOverflowError,
     Engine,
@@ -99,6 +100,9 @@ def test_local_engine_satisfies_protocol(model, tok) -> None:
     eng = LocalEngine(model, tok)
     assert isinstance(eng, Engine) and isinstance(ScriptedEngine(tok), Engine)
     assert eng.max_context() == model.config.max_position_embeddings
+    # engine.max_context caps it (each KV slot holds that many tokens); never above the model's own
+    assert LocalEngine(model, tok, EngineConfig(max_context=64)).max_context() == 64
+    assert LocalEngine(model, tok, EngineConfig(max_context=10**6)).max_context() == model.config.max_position_embeddings
     asyncio.run(eng.close())
 
 

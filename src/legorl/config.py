@@ -72,6 +72,9 @@ class EngineConfig(_Section):
     kind: Literal["local", "scripted", "vllm", "sglang"] = "local"
     max_batch: int = Field(16, gt=0)  # local: sequences decoded together
     prefix_cache_mb: float = Field(512.0, ge=0)  # local: KV kept for prompts that extend earlier calls
+    # local: cap on a sequence's context (default: the model's max_position_embeddings). Each of max_batch KV
+    # slots holds this many tokens: a pretrained model's 8k context x 16 slots is GBs of KV cache.
+    max_context: int | None = Field(None, gt=0)
     torch_threads: int = Field(0, ge=0)  # 0 = leave torch's default
     split_steps: bool = False  # local: a large step as two halves in two threads (uses an idle second core)
     urls: list[str] = Field(default_factory=list)  # vllm / sglang: one URL per server
@@ -82,7 +85,7 @@ class EngineConfig(_Section):
         remote = self.kind in ("vllm", "sglang")
         if remote and not self.urls:
             raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server")
-        local_only = ("max_batch", "prefix_cache_mb", "split_steps")
+        local_only = ("max_batch", "prefix_cache_mb", "split_steps", "max_context")
         unheard = _changed(self, *local_only) if self.kind != "local" else []
         unheard += _changed(self, "urls", "checkpoint_dir") if not remote else []
         for key in unheard:

@@ -192,6 +192,7 @@ class LocalEngine:
         self._vocab = int(model.get_input_embeddings().weight.shape[0])
         self._device = next(model.parameters()).device
         self._max_context = int(model.config.max_position_embeddings)
+        max_context = max_context or c.max_context
         if max_context is not None:
             self._max_context = min(self._max_context, max_context)
         self._split = c.split_steps
