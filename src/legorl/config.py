@@ -387,8 +387,13 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-4, ge=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0)  # null: no clipping
+    # ppo: token-level ratio and clip; gspo: sequence-level (geometric-mean) ratio and clip, with
+    # its own, much narrower clip range (the GSPO paper's; docs/training.md, "GSPO").
+    loss: Literal["ppo", "gspo"] = "ppo"
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.28, ge=0.0)
+    gspo_clip_low: float = Field(3e-4, ge=0.0)
+    gspo_clip_high: float = Field(4e-4, ge=0.0)
     tis_cap: float | None = 2.0
     advantage: Literal["grpo", "rloo", "rloo-positive", "drgrpo", "reinforce"] = "grpo"
     normalize_std: bool = False
@@ -412,6 +417,16 @@ class TrainerConfig(_Section):
     # forward it once per group and let the continuations attend to it. Exact: the prefix's gradient
     # is the sum over its continuations (docs/training.md).
     shared_prefix: bool = True
+
+    @model_validator(mode="after")
+    def _clip_honoured(self) -> TrainerConfig:
+        # Each loss clips its own ratio: a token ratio's range means nothing for a sequence ratio.
+        unheard = ("gspo_clip_low", "gspo_clip_high") if self.loss == "ppo" else ("clip_low", "clip_high")
+        own = "clip_low / clip_high" if self.loss == "ppo" else "gspo_clip_low / gspo_clip_high"
+        for key in _changed(self, *unheard):
+            raise ValueError(f"trainer.{key} is not honoured by trainer.loss {self.loss}: it clips the other "
+                             f"loss's ratio; trainer.loss {self.loss} clips with trainer.{own}")
+        return self
 
 
 class SFTConfig(_Section):

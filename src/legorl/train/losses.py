@@ -10,6 +10,10 @@ With one update per batch, old is cur.detach() (pass old_logp=None): the ratio i
 in value and only its gradient is used.
 
 Rejected tokens (IS masking) leave the numerator AND the denominator of the aggregation.
+
+``loss="gspo"`` (Zheng et al. 2025, arXiv 2507.18071) replaces the token ratio with the sequence
+ratio s = exp(mean_t (cur - old)) over a row's kept tokens, clipped at the sequence level (see
+:func:`gspo_ratio`); everything else (IS weight, KL, entropy, aggregation) is shared.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import Tensor
 # seq-mean-token-mean: mean per group (a rollout), then mean over groups.
 # seq-mean-token-sum: sum per group, then mean over groups (Dr. GRPO-style length-unbiased).
 # token-sum: plain sum (normalise by a constant outside).
+LOSSES = ("ppo", "gspo")  # token-level ratio and clip; sequence-level (geometric-mean) ratio and clip
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum")
 # tis: token weight min(r, cap); mis: token weight r, tokens with r > cap rejected;
 # seq-tis / seq-mis: the same with the sequence ratio prod(r) (over kept tokens); none: weight 1.
@@ -100,15 +105,39 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def gspo_ratio(cur_logp: Tensor, old_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """GSPO-token's ratio s_t = sg[s] * p_t / sg[p_t] on [B, T], and s itself ([B], detached).
+
+    s = (pi(y) / pi_old(y)) ** (1 / |y|) = exp(mean over ``mask`` of cur - old): one value per row
+    (a sequence; ``mask`` its kept loss tokens). Every token carries the value s, so the clip decides
+    per sequence; token t's gradient is s * grad log p_t, and averaged over the row's tokens that
+    is exactly grad s. So with one advantage per sequence this is GSPO itself, per token.
+    """
+    m = mask.bool()
+    n = m.sum(-1).clamp(min=1)
+    # where(), not multiply: a masked position holding a wild value must not leak into the mean.
+    log_s = torch.where(m, cur_logp.detach() - old_logp.detach(), 0.0).sum(-1) / n
+    log_s = log_s.clamp(-20.0, 20.0)  # exp() bound, as for the token ratio
+    own = torch.where(m, cur_logp - cur_logp.detach(), 0.0)  # 0 in value: carries token t's gradient
+    return torch.exp(log_s.unsqueeze(-1) + own), torch.exp(log_s)
+
+
 @dataclass
 class PolicyTerms:
     token_loss: Tensor  # [B, T], not yet masked
-    ratio: Tensor  # [B, T], detached
+    ratio: Tensor  # [B, T], detached (gspo: the sequence ratio on each of its tokens)
     is_weight: Tensor  # [B, T], detached
     clipped: Tensor  # [B, T] bool: the clipped branch was active (no gradient flows)
     truncated: Tensor  # [B, T] bool: the IS weight hit its cap
     keep: Tensor  # [B, T] bool: loss tokens left after IS rejection (the aggregation mask)
     kl_ref: Tensor | None = None  # [B, T] detached k3 to the reference, when given
+    seq_ratio: Tensor | None = None  # [B] detached sequence ratio s (gspo)
+
+    def seq_clip(self) -> tuple[Tensor, Tensor]:
+        """gspo: (s, clipped) of the rows with kept tokens; a row's tokens share one clip decision."""
+        assert self.seq_ratio is not None, "sequence-level terms exist under loss='gspo' only"
+        rows = self.keep.any(-1)
+        return self.seq_ratio[rows], (self.clipped & self.keep).any(-1)[rows]
 
 
 def policy_terms(
@@ -129,12 +158,16 @@ def policy_terms(
     kl_coef: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    loss: str = "ppo",
 ) -> PolicyTerms:
     """Per-token loss terms (no aggregation).
 
     token_loss = -w * min(ratio * A, clip(ratio) * A) + kl_coef * k3(cur, ref) - entropy_coef * H.
-    ``correction`` (precomputed from old vs rollout) overrides the IS arguments.
+    ``correction`` (precomputed from old vs rollout) overrides the IS arguments. ``loss``: "ppo"
+    (ratio per token) or "gspo" (the sequence ratio over the kept tokens, :func:`gspo_ratio`).
     """
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; choose one of {LOSSES}")
     old = cur_logp.detach() if old_logp is None else old_logp.detach()
     adv = advantages.to(cur_logp.dtype)
     if adv.dim() == cur_logp.dim() - 1:
@@ -142,9 +175,13 @@ def policy_terms(
     adv = adv.expand_as(cur_logp)
     if correction is None:
         correction = is_correction(old, rollout_logp, mask, is_mode, tis_cap, token_mask, seq_mask)
-    # Bounded log-ratio: exp() of a wild (e.g. masked) token must not make inf, whose
-    # backward through where()/masking would give 0 * inf = nan.
-    ratio = torch.exp((cur_logp - old).clamp(-20.0, 20.0))
+    seq_ratio = None
+    if loss == "gspo":  # over the kept tokens: rejected ones leave the sequence's ratio too
+        ratio, seq_ratio = gspo_ratio(cur_logp, old, correction.keep)
+    else:
+        # Bounded log-ratio: exp() of a wild (e.g. masked) token must not make inf, whose
+        # backward through where()/masking would give 0 * inf = nan.
+        ratio = torch.exp((cur_logp - old).clamp(-20.0, 20.0))
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     unclipped_obj = ratio * adv
     clipped_obj = clipped_ratio * adv
@@ -166,6 +203,7 @@ def policy_terms(
         truncated=correction.truncated,
         keep=correction.keep,
         kl_ref=kl_ref,
+        seq_ratio=seq_ratio,
     )
 
 
@@ -244,9 +282,9 @@ def policy_loss(
     seq_ids: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip loss with IS corrections, aggregated over kept tokens; returns (loss, metrics).
+    """PPO-clip (or GSPO) loss with IS corrections, aggregated over kept tokens; (loss, metrics).
 
-    ``kwargs`` go to :func:`policy_terms` (is_mode, token_mask, seq_mask, ref_logp, kl_coef, ...).
+    ``kwargs`` go to :func:`policy_terms` (loss, is_mode, token_mask, seq_mask, ref_logp, kl_coef, ...).
     """
     terms = policy_terms(
         cur_logp, old_logp, rollout_logp, advantages, clip_low, clip_high, tis_cap, mask=mask, **kwargs
@@ -266,4 +304,19 @@ def policy_loss(
         }
         if terms.kl_ref is not None:
             metrics["kl_ref"] = float(masked_mean(terms.kl_ref, k))
+        if terms.seq_ratio is not None:
+            s, clipped = terms.seq_clip()
+            metrics.update(gspo_metrics(s, clipped))
     return loss, metrics
+
+
+def gspo_metrics(seq_ratio: Tensor, seq_clipped: Tensor) -> dict[str, float]:
+    """Sequence ratios' mean / min / max and the share of sequences clipped (each counts once)."""
+    if seq_ratio.numel() == 0:
+        return {"gspo_ratio_mean": 1.0, "gspo_ratio_min": 1.0, "gspo_ratio_max": 1.0, "gspo_clip_frac": 0.0}
+    return {
+        "gspo_ratio_mean": float(seq_ratio.mean()),
+        "gspo_ratio_min": float(seq_ratio.min()),
+        "gspo_ratio_max": float(seq_ratio.max()),
+        "gspo_clip_frac": float(seq_clipped.float().mean()),
+    }

@@ -6,6 +6,8 @@ One ``train_step`` = one batch of rollouts = ``ppo_epochs x mini_batches`` optim
   detached (one forward per micro-batch). Otherwise ("decoupled"), an old-logprob pass runs
   first with no grad over the same micro-batches; the PPO ratio is cur/old and the IS weight
   old/rollout, so a multi-update step never mistakes old for rollout.
+- **Loss** (``loss``): ``ppo`` clips each token's ratio cur/old; ``gspo`` clips each sequence's
+  geometric-mean ratio, with its own clip range (losses.gspo_ratio; docs/training.md, "GSPO").
 - **Normalisation** (docs/design.md, "Per-rollout loss normalisation"). ``loss_agg``: ``token-mean``
   (default; every kept token of the mini-batch weighs the same; a rollout split into several
   sequences keeps its weight because each sampled token lives in exactly one sequence),
@@ -49,7 +51,15 @@ from legorl.train import distributed as dist
 from legorl.train import fast_forward as fastfwd
 from legorl.train import prefix as shared
 from legorl.train.batching import Micro, collate, mini_batches, plan_micro_batches
-from legorl.train.losses import ISCorrection, PolicyTerms, is_correction, k3, policy_terms, sequence_weights
+from legorl.train.losses import (
+    ISCorrection,
+    PolicyTerms,
+    gspo_metrics,
+    is_correction,
+    k3,
+    policy_terms,
+    sequence_weights,
+)
 from legorl.train.metrics import mean, mismatch_metrics
 from legorl.train.schedule import LRSchedule
 
@@ -146,7 +156,12 @@ class Trainer:
         self.max_grad_norm = c.max_grad_norm
         # Must equal the engine's sampling settings: logprobs are of the distribution sampled from.
         self.temperature, self.top_p, self.top_k = s.temperature or 1.0, s.top_p, s.top_k
-        self.clip_low, self.clip_high, self.tis_cap = c.clip_low, c.clip_high, c.tis_cap
+        self.loss = c.loss
+        # Each loss clips its own ratio with its own range (a sequence ratio moves far less than a token's).
+        gspo = c.loss == "gspo"
+        self.clip_low = c.gspo_clip_low if gspo else c.clip_low
+        self.clip_high = c.gspo_clip_high if gspo else c.clip_high
+        self.tis_cap = c.tis_cap
         self.is_mode, self.token_mask, self.seq_mask = c.is_mode, c.token_mask, c.seq_mask
         self.kl_coef, self.entropy_coef = c.kl_coef, c.entropy_coef
         self.ppo_epochs, self.mini_batches = c.ppo_epochs, c.mini_batches
@@ -213,6 +228,7 @@ class Trainer:
                             kl_coef=self.kl_coef,
                             entropy=ent,
                             entropy_coef=self.entropy_coef,
+                            loss=self.loss,
                         )
                         w = torch.tensor([weights[i] for i in mb.index], device=self.device)
                         kept = torch.where(terms.keep, terms.token_loss, torch.zeros_like(terms.token_loss))
@@ -456,6 +472,9 @@ class Trainer:
         )
         if self.ref_model is not None:
             metrics["train/kl_ref"] = mean(cat["kl_ref"])
+        if self.loss == "gspo":  # per sequence and update, each sequence counted once
+            seq = gspo_metrics(cat["seq_ratio"], cat["seq_clipped"].bool())
+            metrics.update({f"train/{k}": v for k, v in seq.items()})
         if self.routing_replay != "off":
             # Differences: the first forward that replayed (sampler vs trainer under R3; for R2, the
             # updated trainer vs its own old routes). Replayed fraction: tokens forced in the updates.
@@ -536,7 +555,9 @@ class _Step:
         self.old: dict[str, list[Tensor]] = {
             k: [] for k in ("old", "roll", "ent", "w", "trunc", "kept", "kl_ref")
         }
-        self.upd: dict[str, list[Tensor]] = {k: [] for k in ("ppo_kl", "clipped", "ratio")}
+        self.upd: dict[str, list[Tensor]] = {
+            k: [] for k in ("ppo_kl", "clipped", "ratio", "seq_ratio", "seq_clipped")
+        }
         self.first_sight, self.update_sight = _RouteAcc(), _RouteAcc()
 
     def gather_old(self, mb: Micro, old: Tensor, ent: Tensor, corr: ISCorrection, ref: Tensor | None) -> None:
@@ -560,6 +581,10 @@ class _Step:
         self.upd["ppo_kl"].append(k3(old.detach(), cur.detach())[k])
         self.upd["clipped"].append(terms.clipped[k].float())
         self.upd["ratio"].append(terms.ratio[k])
+        if terms.seq_ratio is not None:
+            ratio, clipped = terms.seq_clip()
+            self.upd["seq_ratio"].append(ratio)
+            self.upd["seq_clipped"].append(clipped.float())
 
 
 class _RouteAcc:
