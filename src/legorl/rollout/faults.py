@@ -67,7 +67,7 @@ class FaultyEngine:
     # ---- the Engine protocol: the calls are faulted, the rest is the inner engine's ----
 
     @property
-    def takes_messages(self) -> bool:  # type: ignore[override]
+    def takes_messages(self) -> bool:
         return self.inner.takes_messages
 
     @property
