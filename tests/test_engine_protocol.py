@@ -9,7 +9,15 @@ import inspect
 import openai
 import pytest
 
-from legorl.engine import Engine, EngineError, LocalEngine, ScriptedEngine, SGLangEngine, UpstreamEngine, VLLMEngine
+from legorl.engine import (
+    Engine,
+    EngineError,
+    LocalEngine,
+    ScriptedEngine,
+    SGLangEngine,
+    UpstreamEngine,
+    VLLMEngine,
+)
 from legorl.engine.base import Weights
 from legorl.proxy.server import Proxy, SamplingOverride
 from legorl.records import SamplingParams
@@ -43,7 +51,7 @@ def test_engine_implements_the_whole_protocol(cls):
         prop = inspect.getattr_static(cls, name, None)
         assert isinstance(prop, property) and prop.fset is None, f"{cls.__name__}.{name}"
     declared = inspect.getattr_static(cls, "takes_messages", None)
-    assert isinstance(declared, bool) or isinstance(declared, property), cls.__name__
+    assert isinstance(declared, (bool, property)), cls.__name__
 
 
 def test_engines_without_an_ability_say_so(tokenizer):
