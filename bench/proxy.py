@@ -53,27 +53,48 @@ MODEL = "bench-model"
 
 # ---- the engine (shared by the engine server and legorl's proxy) ----------------------------------
 
+class FixedEngine:
+    """Answers every prompt with the same reply (the whole Engine protocol, at no cost per call)."""
+
+    takes_messages = False
+    weight_version = 0  # a class constant: read-only, as the protocol's property
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.ids = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    async def generate(self, prompt_ids: list[int], params: Any, *, rollout_id: str = "") -> Any:
+        from legorl.records import GenerationResult
+
+        return GenerationResult(list(self.ids), [0.0] * len(self.ids), "stop", 0)
+
+    async def generate_chat(self, messages: Any, tools: Any, params: Any, *, rollout_id: str = "") -> Any:
+        from legorl.engine.base import no_conversations
+
+        raise no_conversations(self)
+
+    def max_context(self) -> int:
+        return 1 << 20
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    async def update_weights(self, state_dict: Any, version: int | None = None) -> int:
+        return 0
+
+    def weights(self) -> Any:
+        from legorl.engine.base import Weights
+
+        return Weights(0)
+
+    def follow(self, weights: Any) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
 def fixed_engine(tokenizer: Any) -> Any:
-    from legorl.records import GenerationResult
-
-    ids = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-    class FixedEngine:
-        weight_version = 0
-
-        async def generate(self, prompt_ids: list[int], params: Any, *, rollout_id: str = "") -> Any:
-            return GenerationResult(list(ids), [0.0] * len(ids), "stop", 0)
-
-        def max_context(self) -> int:
-            return 1 << 20
-
-        async def update_weights(self, state_dict: Any) -> int:
-            return 0
-
-        async def close(self) -> None:
-            return None
-
-    return FixedEngine()
+    return FixedEngine(tokenizer)
 
 
 LONG_TOKENS = 32_000  # the abandoned prompt
@@ -87,37 +108,29 @@ BIG_BODY_BYTES = 10_000_000
 def paced_engine(tokenizer: Any, stats_path: Path) -> Any:
     """The fixed engine, plus a simulated prefill on long prompts that stops when cancelled; what happened to
     the long ones goes to `stats_path` (the bench reads it)."""
-    base = fixed_engine(tokenizer)
 
-    class PacedEngine:
-        weight_version = 0
-
+    class PacedEngine(FixedEngine):
         def __init__(self) -> None:
-            self.stats: dict[str, Any] = {"long": 0, "cancelled": 0, "finished": 0, "cancelled_after_s": []}
+            super().__init__(tokenizer)
+            self.counts: dict[str, Any] = {"long": 0, "cancelled": 0, "finished": 0, "cancelled_after_s": []}
 
         async def generate(self, prompt_ids: list[int], params: Any, *, rollout_id: str = "") -> Any:
             if len(prompt_ids) >= PACED_FROM:
-                self.stats["long"] += 1
+                self.counts["long"] += 1
                 t0 = time.perf_counter()
                 try:
                     await asyncio.sleep(len(prompt_ids) * PREFILL_S_PER_TOKEN)
                 except asyncio.CancelledError:
-                    self.stats["cancelled"] += 1
-                    self.stats["cancelled_after_s"].append(time.perf_counter() - t0)
-                    stats_path.write_text(json.dumps(self.stats))
+                    self.counts["cancelled"] += 1
+                    self.counts["cancelled_after_s"].append(time.perf_counter() - t0)
+                    stats_path.write_text(json.dumps(self.counts))
                     raise
-                self.stats["finished"] += 1
-                stats_path.write_text(json.dumps(self.stats))
-            return await base.generate(prompt_ids, params)
+                self.counts["finished"] += 1
+                stats_path.write_text(json.dumps(self.counts))
+            return await super().generate(prompt_ids, params)
 
         def max_context(self) -> int:
             return PACED_CONTEXT
-
-        async def update_weights(self, state_dict: Any) -> int:
-            return 0
-
-        async def close(self) -> None:
-            return None
 
     return PacedEngine()
 
@@ -392,7 +405,7 @@ def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
     engine = fixed_engine(tok)
     enc = CachedEncoder(tok)
     store = Store(Path(tempfile.mkdtemp(prefix="legorl-bench-cpu-")) / "store.sqlite")
-    core = CallCore(engine, tok, sampling=SamplingOverride(max_tokens=64), parser=TaggedJsonParser(),
+    core = CallCore(tok, sampling=SamplingOverride(max_tokens=64), parser=TaggedJsonParser(),
                     model_name=MODEL, on_call=store.add_call)
     fmt = OpenAIChat(tok)
 
@@ -415,7 +428,7 @@ def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
     async def run(which: str) -> float:
         t0 = time.process_time()
         for i in range(n_sessions):
-            sess = Session(token=f"{which}{i}", rollout_id=f"{which}{i}")
+            sess = Session(token=f"{which}{i}", rollout_id=f"{which}{i}", engine=engine)
             msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                           {"role": "user", "content": "The test test_parse fails; fix it."}]
             for t in range(turns):

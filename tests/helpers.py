@@ -76,27 +76,30 @@ def tiny_qwen3(seed: int = 0, **config: object) -> transformers.Qwen3ForCausalLM
 
 
 def run_mini_episode(tokenizer, tmp_path: Path, task, harness_cfg=None, *, command_timeout: float = 20,
-                     **ctx_kwargs):
+                     script_for=None, **ctx_kwargs):
     """One mini-swe-agent episode through a ScriptedEngine behind a real proxy, in a real sandbox; the Rollout.
 
-    ``ctx_kwargs`` go to EpisodeContext (label, timeouts, script_for, limits, sandbox, ...)."""
+    ``script_for(task, teacher_style)`` writes the episode's script; ``ctx_kwargs`` go to EpisodeContext (label,
+    timeouts, limits, sandbox, ...)."""
     from legorl.config import HarnessConfig
     from legorl.engine import ScriptedEngine
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
     from legorl.proxy.server import Proxy
-    from legorl.rollout.episode import EpisodeContext, run_episode
+    from legorl.rollout.episode import EpisodeContext, always, run_episode, scripted
     from legorl.store import Store
 
     async def main():
         store = Store(tmp_path / "store.sqlite")
-        proxy = Proxy(ScriptedEngine(tokenizer), tokenizer, on_call=store.add_call)
+        engine = ScriptedEngine(tokenizer)
+        proxy = Proxy(engine, tokenizer, on_call=store.add_call)
         await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
         harness = MiniSweAgentHarness(harness_cfg or HarnessConfig(), command_timeout=command_timeout,
                                       log_dir=tmp_path / "logs")
         await harness.start()
         try:
-            ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path,
-                                 hide_paths=[tmp_path], **ctx_kwargs)
+            engine_for = scripted(engine, script_for) if script_for is not None else always(engine)
+            ctx = EpisodeContext(proxy=proxy, engine_for=engine_for, harnesses={harness.name: harness}, store=store,
+                                 run_dir=tmp_path, hide_paths=[tmp_path], **ctx_kwargs)
             return await run_episode(ctx, task, step=0, group_id="g", sample_index=0)
         finally:
             await harness.close()

@@ -14,7 +14,7 @@ from legorl.harness.mini_swe_agent import MiniSweAgentHarness
 from legorl.monitor.failures import failure_kind
 from legorl.proxy.server import Proxy
 from legorl.records import Outcome
-from legorl.rollout.episode import EpisodeContext, run_episode
+from legorl.rollout.episode import EpisodeContext, run_episode, scripted
 from legorl.rollout.teacher import scripted_teacher, teacher_script
 from legorl.store import Store
 from legorl.tasks import builtin_splits
@@ -34,7 +34,7 @@ async def _episodes(tokenizer, run_dir: Path, scripts):
             ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=run_dir,
                                  label="test",
                                  agent_timeout=120, grading_timeout=60, hide_paths=[run_dir],
-                                 script_for=script)
+                                 engine_for=scripted(engine, script))
             out.append((task, await run_episode(ctx, task, step=0, group_id=f"g{i}", sample_index=0)))
         return out, store
     finally:

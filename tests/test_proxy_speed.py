@@ -21,10 +21,10 @@ def test_history_keeps_the_normalised_messages_of_each_call(tokenizer):
         engine = ScriptedEngine(tokenizer)
         engine.set_script("r", ["First reply.", "Second reply.", "Third reply."])
         calls = []
-        core = CallCore(engine, tokenizer, sampling=SamplingOverride(), parser=TaggedJsonParser(), model_name="m",
+        core = CallCore(tokenizer, sampling=SamplingOverride(), parser=TaggedJsonParser(), model_name="m",
                         on_call=calls.append)
         fmt = OpenAIChat(tokenizer)
-        session = Session(token="t", rollout_id="r")
+        session = Session(token="t", rollout_id="r", engine=engine)
         msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix it."}]
         for step in range(3):
             req = fmt.parse({"model": "m", "messages": msgs})

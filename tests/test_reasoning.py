@@ -404,7 +404,7 @@ def test_fast_reply_end_does_not_bridge_over_dropped_reasoning(qwen3_tok):
                      {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"output {turn}"}]
         second = proxy.open_session("r2")
         c2 = openai.AsyncOpenAI(base_url=proxy.openai_base_url(second.token), api_key="x", max_retries=0)
-        proxy.core.engine.set_script("r2", [think("Greet back.", "Hello."), "Fine."])
+        proxy.default_engine.set_script("r2", [think("Greet back.", "Hello."), "Fine."])
         chat = [{"role": "user", "content": "Hi"}]
         m = (await c2.chat.completions.create(model="m", messages=chat)).choices[0].message
         chat += [m.model_dump(exclude_none=True), {"role": "user", "content": "How are you?"}]

@@ -108,21 +108,22 @@ def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
     assert not surviving_processes(run_dir)
 
 
-def test_fault_wrapper_passes_the_restored_weight_version_to_the_engine():
+def test_fault_wrapper_passes_the_restored_weight_version_to_the_engine(tokenizer):
+    import asyncio
+
     from legorl.config import FaultsConfig
+    from legorl.engine import ScriptedEngine
     from legorl.rollout.faults import FaultyEngine
 
-    class Engine:
-        weight_version = 3
-
-    engine = Engine()
-    wrapped = FaultyEngine(engine, FaultsConfig(engine_exception=0.5))
-    wrapped.weight_version = 7  # what --resume does to keep version stamps continuous
+    engine = ScriptedEngine(tokenizer)
+    wrapped = FaultyEngine(engine, FaultsConfig(engine_exception=0.5), "r1")
+    assert asyncio.run(wrapped.update_weights({}, 7)) == 7  # what --resume does to keep version stamps continuous
     assert engine.weight_version == 7 and wrapped.weight_version == 7
 
 
 def test_engine_faults_are_named_on_the_rollout_they_hit():
-    """A rollout hit by an engine fault and an episode fault must name both (else its outcome looks wrong)."""
+    """A rollout hit by an engine fault and an episode fault must name both (else its outcome looks wrong):
+    each rollout's wrapper keeps the faults its calls met."""
     import asyncio
 
     from legorl.config import FaultsConfig
@@ -130,16 +131,14 @@ def test_engine_faults_are_named_on_the_rollout_they_hit():
     from legorl.rollout.faults import FaultyEngine, InjectedFault
 
     class Engine:
-        weight_version = 0
-
         async def generate(self, prompt_ids, params, *, rollout_id=""):
             return GenerationResult(completion_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop", weight_version=0)
 
-    wrapped = FaultyEngine(Engine(), FaultsConfig(engine_exception=1.0))
+    wrapped = FaultyEngine(Engine(), FaultsConfig(engine_exception=1.0), "r1")
     with pytest.raises(InjectedFault):
         asyncio.run(wrapped.generate([1], SamplingParams(), rollout_id="r1"))
-    assert wrapped.injected_for("r1") == {"engine_exception"}
-    assert wrapped.injected_for("r1") == set() and wrapped.injected_for("r2") == set()
-    malformed = FaultyEngine(Engine(), FaultsConfig(engine_malformed=1.0))
+    assert wrapped.hits == {"engine_exception"}
+    assert FaultyEngine(Engine(), FaultsConfig(engine_exception=1.0), "r2").hits == set()
+    malformed = FaultyEngine(Engine(), FaultsConfig(engine_malformed=1.0), "r3")
     asyncio.run(malformed.generate([1], SamplingParams(), rollout_id="r3"))
-    assert malformed.injected_for("r3") == {"engine_malformed"}
+    assert malformed.hits == {"engine_malformed"}

@@ -354,21 +354,22 @@ def test_rollouts_run_in_handed_out_sandboxes(tokenizer, tmp_path: Path) -> None
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
     from legorl.proxy.server import Proxy
     from legorl.records import Outcome
-    from legorl.rollout.episode import EpisodeContext, run_episode
+    from legorl.rollout.episode import EpisodeContext, run_episode, scripted
     from legorl.rollout.teacher import teacher_script
     from legorl.store import Store
     from legorl.tasks import builtin_splits
 
     async def main():
         store = Store(tmp_path / "store.sqlite")
-        proxy = Proxy(ScriptedEngine(tokenizer), tokenizer, on_call=store.add_call)
+        engine = ScriptedEngine(tokenizer)
+        proxy = Proxy(engine, tokenizer, on_call=store.add_call)
         await proxy.start(unix_socket=tmp_path / "s" / "proxy.sock")
         harness = MiniSweAgentHarness(HarnessConfig(step_limit=8), command_timeout=20, log_dir=tmp_path / "logs")
         await harness.start()
         task = builtin_splits(1, 0, seed=5)[0][0]
         ctx = EpisodeContext(proxy=proxy, harnesses={harness.name: harness}, store=store, run_dir=tmp_path,
                              label="pooled-run", agent_timeout=120, grading_timeout=60, hide_paths=[tmp_path],
-                             script_for=lambda t, h: teacher_script(t, run_tests=True, harness=h),
+                             engine_for=scripted(engine, lambda t, h: teacher_script(t, run_tests=True, harness=h)),
                              sandbox=SandboxConfig(pool_size=2))  # fmt: skip
         out = []
         try:

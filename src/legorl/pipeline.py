@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import random
@@ -19,7 +20,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from legorl.config import Config, ConfigError
 from legorl.engine import LocalEngine, ScriptedEngine
+from legorl.engine.base import Engine
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
@@ -46,10 +48,9 @@ from legorl.rollout.builders import (
     make_teacher,
 )
 from legorl.rollout.curriculum import pass_counts, prioritized_sample
-from legorl.rollout.faults import FaultyEngine
-from legorl.rollout.faults import enabled as faults_enabled
+from legorl.rollout.episode import run_episode
 from legorl.rollout.outcomes import resolve_policies
-from legorl.rollout.scheduler import GroupRunner
+from legorl.rollout.scheduler import GroupRunner, RunEpisode
 from legorl.rollout.teacher import Slip, scripted_teacher
 from legorl.sandbox import reap_sandboxes
 from legorl.store import Store
@@ -145,9 +146,7 @@ class Driver:
                                                          ModelSpec.from_config(cfg.model),
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
-        self.engine = await self._make_engine()
-        if faults_enabled(cfg.faults) and not ray_mode:  # with Ray, each worker wraps its own engine client
-            self.engine = FaultyEngine(self.engine, cfg.faults)
+        self.engine = await self._make_engine()  # the policy (chaos mode wraps it per rollout: run_episode)
         self.trainer = make_trainer(cfg, policy, pad_id=self.tokenizer.pad_token_id or 0)
         self.proxy, self.ctx, self.cluster = None, None, None
         if not ray_mode:
@@ -176,12 +175,12 @@ class Driver:
             await self.cluster.start()
             self.runner = GroupRunner(self.cluster.run_episode, policies, r)
         else:
-            self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harnesses, store=self.store,
-                                    run_dir=self.run_dir, label=self.label, hide_paths=hide)
+            self.ctx = make_context(cfg, proxy=self.proxy, engine=self.engine, harness=self.harnesses,
+                                    store=self.store, run_dir=self.run_dir, label=self.label, hide_paths=hide)
             self.runner = GroupRunner.local(self.ctx, r)
         return self
 
-    async def _make_engine(self) -> Any:
+    async def _make_engine(self) -> Engine:
         e = self.cfg.engine
         if e.kind == "scripted":
             return ScriptedEngine(self.tokenizer)
@@ -192,8 +191,7 @@ class Driver:
         return LocalEngine(model, self.tokenizer, e)
 
     def engine_stats(self) -> dict[str, Any]:
-        stats = getattr(self.engine, "stats", None)
-        return stats() if callable(stats) else {}
+        return self.engine.stats()
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         ckpts = sorted((self.run_dir / "checkpoints").glob("step-*"))
@@ -211,10 +209,9 @@ class Driver:
             # A KL set only now (run extended with trainer.kl_coef) anchors to the warm start, as in a fresh run.
             warm = sft if (sft / "trainer_state.pt").is_file() else None
             await asyncio.to_thread(self.trainer.load, found[1], warm)
-            await self.engine.update_weights(self.trainer.state_dict_for_engine())
-            version = self.store.step_metrics(last).get("weight_version")
-            if version is not None:  # keep version stamps continuous across the restart
-                self.engine.weight_version = int(version)
+            version = self.store.step_metrics(last).get("weight_version")  # keeps version stamps continuous
+            await self.engine.update_weights(self.trainer.state_dict_for_engine(),
+                                             int(version) if version is not None else None)
         changes = self.store.prepare_resume(last)
         self.first_step = last + 1
         console.print(f"resuming after step {last}: {changes}")
@@ -287,12 +284,12 @@ class Driver:
         return names if len(names) > 1 else None
 
     async def rollouts(self, tasks: list[Task], step: int, samples: int, split: str,
-                       harnesses: list[str | None] | None = None) -> list[Rollout]:
+                       harnesses: list[str | None] | None = None, runner: GroupRunner | None = None) -> list[Rollout]:
         """Every sample of every task, to completion (evaluation and demonstrations); task i through
-        harnesses[i] (default: the run's first harness)."""
+        harnesses[i] (default: the run's first harness); `runner`: the teacher's (default: the policy's)."""
         progress, bar = self._progress(f"step {step} {split} rollouts", len(tasks) * samples)
         with progress:
-            groups, stats = await self.runner.all_groups(tasks, step, samples, split,
+            groups, stats = await (runner or self.runner).all_groups(tasks, step, samples, split,
                                                          on_rollout=lambda _: progress.advance(bar),
                                                          harnesses=harnesses)
         for err in stats.errors:
@@ -385,17 +382,23 @@ class Driver:
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(n)]
         names = self.several_harnesses()
         harnesses = [names[i % len(names)] for i in range(n)] if names else None
-        if self.cluster is not None:  # every Ray worker's proxy answers with the teacher meanwhile
-            async with self.cluster.teacher(self.cfg.sft):
-                return await self.rollouts(tasks, step=-1, samples=1, split="demo")
-        teacher, self.ctx.script_for = make_teacher(self.cfg.sft, self.tokenizer)
-        policy_engine, self.proxy.engine = self.proxy.engine, teacher
+        async with self.teacher() as run:
+            runner = GroupRunner(run, self.runner.policies, self.cfg.rollout)
+            return await self.rollouts(tasks, step=-1, samples=1, split="demo", harnesses=harnesses, runner=runner)
+
+    @contextlib.asynccontextmanager
+    async def teacher(self) -> AsyncIterator[RunEpisode]:
+        """Episodes whose sessions the SFT teacher serves (in this process, or on the Ray workers), while the
+        policy engine stays as it is: nothing is swapped, so policy episodes could run beside them."""
+        if self.cluster is not None:
+            async with self.cluster.teacher(self.cfg.sft) as run:
+                yield run
+            return
+        teacher = make_teacher(self.cfg.sft, self.tokenizer)
         try:
-            demos = await self.rollouts(tasks, step=-1, samples=1, split="demo", harnesses=harnesses)
+            yield functools.partial(run_episode, replace(self.ctx, engine_for=teacher.engine_for))
         finally:
-            self.proxy.engine, self.ctx.script_for = policy_engine, None
-            await teacher.close()
-        return demos
+            await teacher.engine.close()
 
     def teacher_slips(self, demos: list[Rollout]) -> dict[str, set[int]]:
         """Per demonstration, the calls where the scripted teacher slipped on purpose (not trained on)."""

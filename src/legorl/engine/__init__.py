@@ -1,7 +1,7 @@
 """Engines: prompt token ids in, sampled completion ids + logprobs out (see base.Engine).
 
 LocalEngine (embedded, fast path + prefix reuse), VLLMEngine / SGLangEngine (remote servers),
-ScriptedEngine (replays texts). docs/engines.md describes them; `legorl serve` is engine/server.py.
+ScriptedEngine (replays texts), UpstreamEngine (a hosted teacher). docs/engines.md describes them; `legorl serve` is engine/server.py.
 
 Names load lazily: `legorl.engine.cli` (and so the `legorl` command) must not pay for a torch import.
 """
@@ -10,7 +10,7 @@ from importlib import import_module
 from typing import Any
 
 _WHERE = {
-    "ContextOverflowError": "base", "Engine": "base", "EngineError": "base",
+    "ContextOverflowError": "base", "Engine": "base", "EngineError": "base", "Weights": "base",
     "LocalEngine": "local", "SGLangEngine": "remote", "VLLMEngine": "remote", "ScriptedEngine": "scripted",
     "UpstreamEngine": "upstream",
     "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",

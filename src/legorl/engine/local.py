@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from legorl.config import EngineConfig
-from legorl.engine.base import EngineError, check_prompt
+from legorl.engine.base import EngineError, Weights, check_prompt, no_conversations
 from legorl.engine.fast import FastDecoder, check_support
 from legorl.engine.hf import HFDecoder
 from legorl.engine.prefix import PrefixCache, PrefixEntry, common_prefix
@@ -89,6 +89,7 @@ class _Update:
     state_dict: dict[str, torch.Tensor]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[int]
+    version: int | None  # the version the new weights carry (None: the current one + 1)
 
 
 def _hits_stop(ids: list[int], stops: list[str], tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -185,7 +186,7 @@ class LocalEngine:
         self.tokenizer = tokenizer
         self.max_batch = c.max_batch
         self.prefill_chunk = prefill_chunk
-        self.weight_version = 0
+        self._weight_version = 0
         if stop_token_ids is None:
             stop_token_ids = default_stop_ids(model, tokenizer, chat_format)
         self.stop_token_ids = list(stop_token_ids)
@@ -226,7 +227,19 @@ class LocalEngine:
             log.warning("LocalEngine: using the slow HF fallback (%s)", reason)
         return HFDecoder(self.model, self.max_batch, self._max_context)
 
-    # ---- public API (event loop side) ----
+    # ---- public API (event loop side): the Engine protocol ----
+
+    takes_messages = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def weights(self) -> Weights:
+        return Weights(self._weight_version)
+
+    def follow(self, weights: Weights) -> None:
+        raise EngineError("the embedded engine loads its own weights: call update_weights")
 
     def max_context(self) -> int:
         return self._max_context
@@ -250,7 +263,7 @@ class LocalEngine:
         s["prefill_reuse_fraction"] = s["prefill_tokens_reused"] / max(1, s["prompt_tokens"])
         s.update(
             backend=self.backend,
-            weight_version=self.weight_version,
+            weight_version=self._weight_version,
             active=len(self._active),
             waiting=len(self._waiting),
             prefix_cache_entries=len(self.prefix),
@@ -304,9 +317,14 @@ class LocalEngine:
             req.cancelled = True  # the worker drops it at the next step
             raise
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+    async def generate_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
+        raise no_conversations(self)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Apply ``state_dict`` (all or some parameters) once in-flight requests finish; new requests
-        wait meanwhile, so every result is generated under exactly one version. Returns the new version."""
+        wait meanwhile, so every result is generated under exactly one version. Returns the new version
+        (``version`` where given, else the current one + 1)."""
         # Validate here, before anything is copied: a half-applied update would be worse than none.
         current = self.model.state_dict()
         unexpected = set(state_dict) - set(current)
@@ -318,7 +336,7 @@ class LocalEngine:
         if bad:
             raise EngineError(f"update_weights failed: shape mismatch for {bad[:3]}")
         loop = asyncio.get_running_loop()
-        upd = _Update(state_dict, loop, loop.create_future())
+        upd = _Update(state_dict, loop, loop.create_future(), version)
         with self._cv:
             if self._closed:
                 raise EngineError("engine is closed")
@@ -400,8 +418,8 @@ class LocalEngine:
                 self.model.load_state_dict(upd.state_dict, strict=False)
             self.decoder.load_weights()
             self.prefix.clear()  # KV of the old weights must never serve the new ones
-            self.weight_version += 1
-            _resolve(upd.future, upd.loop, self.weight_version)
+            self._weight_version = upd.version if upd.version is not None else self._weight_version + 1
+            _resolve(upd.future, upd.loop, self._weight_version)
         except Exception as e:  # unexpected backend failure
             log.exception("update_weights failed")
             _resolve(upd.future, upd.loop, error=EngineError(f"update_weights failed: {e}"))
@@ -453,7 +471,7 @@ class LocalEngine:
                 later.append(req)
                 continue
             self._copy_prefix(source, reused, len(self._active))
-            req.version = self.weight_version
+            req.version = self._weight_version
             req.n_cached = reused
             req.feed = req.prompt_ids[reused:]
             budget -= len(req.feed)

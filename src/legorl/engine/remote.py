@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import torch
 
-from legorl.engine.base import ContextOverflowError, EngineError
+from legorl.engine.base import ContextOverflowError, EngineError, Weights, no_conversations
 from legorl.records import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class RemoteEngine:
         self.recheck_s = recheck_s
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.base_model_dir = Path(base_model_dir) if base_model_dir is not None else None
-        self.weight_version = 0
+        self._weight_version = 0
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
         self._inflight = 0
@@ -177,6 +177,23 @@ class RemoteEngine:
                 continue
 
     # ---- protocol ----
+
+    takes_messages = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def weights(self) -> Weights:
+        return Weights(self._weight_version, tuple(s.url for s in self.servers if s.stale))
+
+    def follow(self, weights: Weights) -> None:
+        """Another client (the Ray driver's) reloaded these servers: stamp its version from now on; servers
+        that failed its reload hold other weights and stay out of rotation until a later reload succeeds."""
+        self._weight_version = weights.version
+        for server in self.servers:
+            server.stale = server.url in weights.stale_urls
+        self._sticky.clear()  # old prefix caches are gone anyway
 
     def max_context(self) -> int:
         """The servers' context length (given, or learned on the first call; 2**30 while unknown)."""
@@ -242,23 +259,28 @@ class RemoteEngine:
             return self._finish(GenerationResult(ids, lps, finish, version, routed_experts=routes), params,
                                 len(prompt_ids))
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+    async def generate_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
+        raise no_conversations(self)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Write ``state_dict`` as a checkpoint under ``checkpoint_dir`` and have every server reload it."""
         if self.checkpoint_dir is None:
             raise EngineError(
                 f"{type(self).__name__}.update_weights needs checkpoint_dir (a directory the servers can read)"
             )
-        path = self._checkpoint_path(self.weight_version + 1)
+        path = self._checkpoint_path(version if version is not None else self._weight_version + 1)
         await asyncio.to_thread(self._write_checkpoint, state_dict, path)
-        return await self.update_weights_from_dir(path)
+        return await self.update_weights_from_dir(path, version)
 
-    async def update_weights_from_dir(self, path: str | Path) -> int:
-        """Pause new calls, drain in-flight ones, reload ``path`` on every server, bump the version."""
+    async def update_weights_from_dir(self, path: str | Path, version: int | None = None) -> int:
+        """Pause new calls, drain in-flight ones, reload ``path`` on every server; the new version is
+        ``version`` where given, else the current one + 1."""
         async with self._update_lock:
             self._open.clear()
             try:
                 await self._idle.wait()
-                new_version = self.weight_version + 1
+                new_version = version if version is not None else self._weight_version + 1
                 candidates = [s for s in self.servers if s.down_since is None or await self._probe(s)]
                 results = await asyncio.gather(
                     *[self._reload(s, str(path), new_version) for s in candidates], return_exceptions=True
@@ -276,7 +298,7 @@ class RemoteEngine:
                         server.stale = True  # down during the reload: it still has the old weights
                 if ok == 0:
                     raise EngineError(f"weight reload of {path} failed on every {self.kind} server")
-                self.weight_version = new_version
+                self._weight_version = new_version
                 self._sticky.clear()  # old prefix caches are gone anyway
                 return new_version
             finally:

@@ -4,50 +4,79 @@ The text is tokenized with the (byte-level) tokenizer and the chat format's end-
 appended (``<|im_end|>`` for the built-in tokenizer, ``<|eot_id|>`` for Llama 3), so
 ``decode(ids[:-1]) == text`` and the result looks exactly like a sampled assistant turn.
 Results are marked ``sampled_from_policy=False``: usable for SFT, never for policy gradient.
+
+Each rollout it serves plays its own script (`set_script`, given when the rollout's session is
+opened: the scripted teacher's per-task demonstration), or else the engine's default `script`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from legorl.engine.base import EngineError
+from legorl.engine.base import EngineError, Weights, no_conversations
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.records import GenerationResult, SamplingParams
 
 ScriptFn = Callable[[int, list[int]], str]  # (call index within the rollout, prompt ids) -> text
+Script = list[str] | ScriptFn
 
 
 class ScriptedEngine:
+    takes_messages = False
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_context: int = 1 << 20, *,
-                 chat_format: ChatFormat | None = None) -> None:
+                 script: Script | None = None, chat_format: ChatFormat | None = None) -> None:
+        """`script`: what every rollout without a script of its own plays (None: such a rollout's calls fail)."""
         self.tokenizer = tokenizer
-        self.weight_version = 0
+        self._weight_version = 0
         self._max_context = max_context
         fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
         self.end_of_turn_id = fmt.end_of_turn_id
-        self._scripts: dict[str, list[str] | ScriptFn] = {}
+        self._default = script
+        self._scripts: dict[str, Script] = {}
         self._calls: dict[str, int] = {}
 
-    def set_script(self, rollout_id: str, script: list[str] | ScriptFn) -> None:
+    def set_script(self, rollout_id: str, script: Script) -> None:
+        """What `rollout_id`'s calls play, in order (a list) or computed per call (a function)."""
         self._scripts[rollout_id] = script if callable(script) else list(script)
         self._calls[rollout_id] = 0
 
     def calls(self, rollout_id: str) -> int:
         return self._calls.get(rollout_id, 0)
 
+    # ---- the Engine protocol ----
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def weights(self) -> Weights:
+        return Weights(self._weight_version)
+
+    def follow(self, weights: Weights) -> None:
+        """A Ray worker's scripted engine stamps the driver's version (there are no weights to load)."""
+        self._weight_version = weights.version
+
     def max_context(self) -> int:
         return self._max_context
+
+    def stats(self) -> dict[str, Any]:
+        return {}  # no counters: a replay has no throughput worth a metric
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, rollout_id: str = ""
     ) -> GenerationResult:
         script = self._scripts.get(rollout_id)
         if script is None:
-            raise EngineError(f"no script set for rollout {rollout_id!r}; call set_script first")
+            if self._default is None:
+                raise EngineError(f"no script for rollout {rollout_id!r}: set_script before its session's calls")
+            self.set_script(rollout_id, self._default)
+            script = self._scripts[rollout_id]
         i = self._calls[rollout_id]
         if callable(script):
             text = script(i, list(prompt_ids))
@@ -61,13 +90,18 @@ class ScriptedEngine:
             completion_ids=ids,
             logprobs=[0.0] * len(ids),
             finish_reason="stop",
-            weight_version=self.weight_version,
+            weight_version=self._weight_version,
             sampled_from_policy=False,
         )
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        self.weight_version += 1
-        return self.weight_version
+    async def generate_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
+        raise no_conversations(self)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """No weights: the version moves as the policy's would, so stamps look like a real run's."""
+        self._weight_version = version if version is not None else self._weight_version + 1
+        return self._weight_version
 
     async def close(self) -> None:
         self._scripts.clear()

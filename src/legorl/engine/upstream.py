@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from legorl.engine.base import EngineError
+from legorl.engine.base import EngineError, Weights
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
 from legorl.models.tokenizer import render_tool_call_text
@@ -45,10 +45,24 @@ class UpstreamEngine:
         key = api_key if api_key is not None else os.environ.get("LEGORL_UPSTREAM_API_KEY", "")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self.weight_version = 0
+
+    # ---- the Engine protocol ----
+
+    @property
+    def weight_version(self) -> int:
+        return 0  # a teacher's weights are not ours: they never change under us
+
+    def weights(self) -> Weights:
+        return Weights(0)
+
+    def follow(self, weights: Weights) -> None:
+        """Nothing to follow: the teacher's weights are not the policy's."""
 
     def max_context(self) -> int:
         return 1 << 20  # the upstream model enforces its own limit
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        rollout_id: str = "") -> GenerationResult:
@@ -77,10 +91,10 @@ class UpstreamEngine:
         if not ids:
             raise EngineError(f"upstream {self.url} sent an empty answer")
         return GenerationResult(completion_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish,
-                                weight_version=self.weight_version, sampled_from_policy=False)
+                                weight_version=0, sampled_from_policy=False)
 
-    async def update_weights(self, state_dict: dict[str, Any]) -> int:
-        return self.weight_version  # a teacher's weights are not ours to change
+    async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> int:
+        return 0  # a teacher's weights are not ours to change
 
     async def close(self) -> None:
         await self.client.aclose()

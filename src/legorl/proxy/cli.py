@@ -39,16 +39,8 @@ def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, 
     replies = json.loads(script.read_text()) if script is not None else ["OK"]
     if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
         raise typer.BadParameter(f"{script} must hold a JSON array of reply strings", param_hint="--script")
-
-    class ReplayEngine(ScriptedEngine):
-        """Plays the same replies in every session (cycling), from its first call on."""
-
-        async def generate(self, prompt_ids, params, *, rollout_id=""):  # type: ignore[no-untyped-def]
-            if rollout_id not in self._scripts:
-                self.set_script(rollout_id, lambda i, ids: replies[i % len(replies)])
-            return await super().generate(prompt_ids, params, rollout_id=rollout_id)
-
-    return ReplayEngine(tok), tok
+    # the same replies in every session (cycling), from its first call on
+    return ScriptedEngine(tok, script=lambda i, ids: replies[i % len(replies)]), tok
 
 
 def proxy_command(
@@ -137,6 +129,4 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
         await proxy.stop()
         typer.echo(json.dumps(proxy.stats(), indent=2), err=True)
         store.close()
-        close = getattr(engine, "close", None)
-        if close is not None:
-            await close()
+        await engine.close()

@@ -59,9 +59,10 @@ SamplingOverride = SamplingConfig
 
 
 class CallCore:
-    def __init__(self, engine: Any, tokenizer: Any, *, sampling: SamplingOverride, parser: ToolCallParser,
+    """Shared by every session; each call goes to the engine its session was opened with."""
+
+    def __init__(self, tokenizer: Any, *, sampling: SamplingOverride, parser: ToolCallParser,
                  model_name: str, on_call: Callable[[LLMCall], None] | None, chat_format: ChatFormat | None = None):
-        self.engine = engine
         self.tok = tokenizer
         self.bridge = TokenBridge(tokenizer, chat_format)
         self.format = self.bridge.format
@@ -86,9 +87,9 @@ class CallCore:
         t_start = time.time()
         tools_key = self.bridge.tools_key(req.tools)
         params = self.sampling_params(req)
-        engine = self.engine
-        takes_messages = getattr(engine, "takes_messages", False)  # a hosted teacher: it takes the conversation
-        limit = engine.max_context() if hasattr(engine, "max_context") and not takes_messages else None
+        engine = session.engine
+        takes_messages = engine.takes_messages  # a hosted teacher: it takes the conversation, not token ids
+        limit = None if takes_messages else engine.max_context()  # a hosted model enforces its own
         try:
             chars = _chars(req.messages)
             if limit is not None and chars >= limit:  # the verbatim text is part of these characters
@@ -142,13 +143,13 @@ class CallCore:
             self._max_token_bytes = max(1, max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1))
         return self._max_token_bytes
 
-    async def count(self, req: ChatRequest) -> int:
+    async def count(self, session: Session, req: ChatRequest) -> int:
         """The rendered prompt's tokens (Anthropic count_tokens): large prompts are tokenized off the loop,
-        and one that cannot fit the context is refused without tokenizing it (not a session error)."""
+        and one that cannot fit the session engine's context is refused without tokenizing it (not a session
+        error)."""
         texts = _verbatim_texts(req.messages)
-        engine = self.engine
-        if hasattr(engine, "max_context") and not getattr(engine, "takes_messages", False):
-            await self._refuse_if_too_long(None, req, texts, engine.max_context())
+        if not session.engine.takes_messages:
+            await self._refuse_if_too_long(None, req, texts, session.engine.max_context())
         if _chars(req.messages) > INLINE_CHARS:
             return await asyncio.to_thread(self.bridge.count, req.messages, req.tools)
         return self.bridge.count(req.messages, req.tools)
@@ -215,7 +216,7 @@ class CallCore:
         call = LLMCall(
             rollout_id=session.rollout_id, index=session.index.next, wire_format=req.wire_format, request=req.body,
             prompt_ids=list(bridged.prompt_ids) if bridged is not None else [], completion_ids=[],
-            completion_logprobs=[], finish_reason=ABANDONED, weight_version=getattr(self.engine, "weight_version", 0),
+            completion_logprobs=[], finish_reason=ABANDONED, weight_version=session.engine.weight_version,
             completion_text="", parent_index=bridged.parent_index if bridged is not None else None,
             segment_break=bridged.segment_break if bridged is not None else None,
             naive_prompt_differs=bool(bridged.naive_differs) if bridged is not None else False,

@@ -110,7 +110,7 @@ def _is_gemini(request: Request) -> bool:
 
 
 class _OnCore:
-    """A proxy attribute that lives on its `CallCore` (the pipeline swaps or reads it on the proxy)."""
+    """A proxy attribute that lives on its `CallCore` (the driver reads or sets it on the proxy)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -123,8 +123,11 @@ class _OnCore:
 
 
 class Proxy:
-    # the parts the pipeline swaps or reads: engine, model name, sampling override, on_call (the store)
-    engine = _OnCore()
+    """`engine` serves the sessions opened without one of their own (`open_session(rid)`) and, with
+    `accept_new_sessions`, the standalone proxy's sessions opened on first use; a rollout's episode opens its
+    session with the engine it chose. The proxy never changes a session's engine."""
+
+    # the parts the driver reads or sets: model name, sampling override, on_call (the store)
     model_name = _OnCore()
     on_call = _OnCore()
     sampling = _OnCore()
@@ -149,9 +152,10 @@ class Proxy:
             parser = get_parser(self.tool_format)
         else:
             self.tool_format = type(parser).__name__
-        self.core = CallCore(engine, tokenizer, sampling=sampling or SamplingOverride(), parser=parser,
+        self.default_engine = engine
+        self.core = CallCore(tokenizer, sampling=sampling or SamplingOverride(), parser=parser,
                              model_name=model_name, on_call=on_call, chat_format=fmt)
-        self.sessions = SessionRegistry(accept_new=accept_new_sessions)
+        self.sessions = SessionRegistry(new_sessions=engine if accept_new_sessions else None)
         self.chat = OpenAIChat(tokenizer, strict_fields, fmt)
         self.responses = OpenAIResponses(tokenizer, strict_fields, fmt)
         self.anthropic = AnthropicMessages(tokenizer, strict_fields, fmt)
@@ -172,10 +176,12 @@ class Proxy:
         self.unix_socket: Path | None = None
 
     # ---- sessions -------------------------------------------------------------------------------
-    def open_session(self, rollout_id: str, max_calls: int | None = None, call_kind: CallKind | None = None,
-                     ) -> Session:
-        """A rollout's session; `call_kind` (the harness's) routes its side calls to side sessions."""
-        return self.sessions.open(rollout_id, max_calls, call_kind)
+    def open_session(self, rollout_id: str, engine: Engine | None = None, *, max_calls: int | None = None,
+                     call_kind: CallKind | None = None) -> Session:
+        """A rollout's session, served by `engine` (default: the proxy's `default_engine`); `call_kind` (the
+        harness's) routes its side calls to side sessions, served by the same engine."""
+        return self.sessions.open(rollout_id, engine if engine is not None else self.default_engine, max_calls,
+                                  call_kind)
 
     def close_session(self, token: str) -> Session | None:
         return self.sessions.close(token)
@@ -285,7 +291,8 @@ class Proxy:
 
         async def models(request: Request) -> Response:
             name = self.model_name
-            limit = self.engine.max_context() if hasattr(self.engine, "max_context") else None
+            session = self.sessions.find(session_key(request))  # the engine that would answer this client
+            limit = (session.engine if session is not None else self.default_engine).max_context()
             # one entry that the OpenAI, Anthropic and Google SDKs all read (each takes its own keys)
             entry = {"id": name, "object": "model", "created": 0, "owned_by": "legorl", "type": "model",
                      "display_name": name, "created_at": "1970-01-01T00:00:00Z",
@@ -490,9 +497,9 @@ class Proxy:
         parse = parse or (lambda b, h: self.anthropic.parse(b, h, count_only=True))
         render = render or (lambda n: {"input_tokens": n})
         try:
-            self._session(request)
+            session = self._session(request)
             _, body = await self._read_json(request)
-            return _json_response(render(await self.core.count(parse(body, request.headers))))
+            return _json_response(render(await self.core.count(session, parse(body, request.headers))))
         except ProxyError as e:
             return _json_response(fmt.error_body(e), e.status)
 

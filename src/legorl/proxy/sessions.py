@@ -4,6 +4,9 @@ A rollout's session is its main agent's. A request the harness names as a side c
 title, a next-speaker check, a sub-agent) goes to a side session of that name under the same token:
 its own history and token chain, its own counters, so it neither forks the agent's sequence nor
 counts against its turn limit. Every session of a rollout draws call indices from one counter.
+
+A session is opened with the engine that serves it (the policy, a frozen checkpoint, a teacher, a
+fault-injecting wrapper); its side sessions are served by the same engine. Nothing swaps it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from legorl.engine.base import Engine
 from legorl.proxy.bridge import PastCall
 from legorl.records import MAIN_SESSION
 
@@ -37,6 +41,7 @@ CallKind = Callable[[dict[str, Any]], str]
 class Session:
     token: str
     rollout_id: str
+    engine: Engine  # serves every call of this session (and of its side sessions)
     history: list[PastCall] = field(default_factory=list)
     n_calls: int = 0
     # Answers already given, keyed by request-body hash: SDK retries get the
@@ -66,8 +71,8 @@ class Session:
             return self
         side = self.sides.get(kind)
         if side is None:
-            side = self.sides[kind] = Session(token=self.token, rollout_id=self.rollout_id, kind=kind,
-                                              index=self.index)
+            side = self.sides[kind] = Session(token=self.token, rollout_id=self.rollout_id, engine=self.engine,
+                                              kind=kind, index=self.index)
         return side
 
 
@@ -77,14 +82,15 @@ def body_key(raw: bytes) -> str:
 
 
 class SessionRegistry:
-    def __init__(self, accept_new: bool = False):
-        self.accept_new = accept_new  # standalone proxy: a new id opens a session on first use
+    def __init__(self, new_sessions: Engine | None = None):
+        self.new_sessions = new_sessions  # standalone proxy: a new id opens a session served by it, on first use
         self._by_token: dict[str, Session] = {}
         self.closed: list[Session] = []  # kept for run statistics (counters only matter)
 
-    def open(self, rollout_id: str, max_calls: int | None = None, call_kind: CallKind | None = None) -> Session:
+    def open(self, rollout_id: str, engine: Engine, max_calls: int | None = None,
+             call_kind: CallKind | None = None) -> Session:
         token = secrets.token_urlsafe(24)
-        s = Session(token=token, rollout_id=rollout_id, max_calls=max_calls, call_kind=call_kind)
+        s = Session(token=token, rollout_id=rollout_id, engine=engine, max_calls=max_calls, call_kind=call_kind)
         self._by_token[token] = s
         return s
 
@@ -92,12 +98,17 @@ class SessionRegistry:
         if not token:
             return None
         s = self._by_token.get(token)
-        if s is None and self.accept_new and _SESSION_ID.match(token):
-            s = Session(token=token, rollout_id=token)
+        if s is None and self.new_sessions is not None and _SESSION_ID.match(token):
+            s = Session(token=token, rollout_id=token, engine=self.new_sessions)
             self._by_token[token] = s
         if s is not None and s.closed:
             return None
         return s
+
+    def find(self, token: str | None) -> Session | None:
+        """An open session, never one opened on first use (a models listing opens none)."""
+        s = self._by_token.get(token or "")
+        return s if s is not None and not s.closed else None
 
     def close(self, token: str) -> Session | None:
         s = self._by_token.pop(token, None)
@@ -114,7 +125,7 @@ class SessionRegistry:
 
 
 def _counters_only(s: Session) -> Session:
-    return Session(token=s.token, rollout_id=s.rollout_id, n_calls=s.n_calls, errors=list(s.errors),
+    return Session(token=s.token, rollout_id=s.rollout_id, engine=s.engine, n_calls=s.n_calls, errors=list(s.errors),
                    closed=True, segments=s.segments, bridge_hits=s.bridge_hits,
                    drift_prevented=s.drift_prevented, retries_answered=s.retries_answered, kind=s.kind,
                    malformed_tool_calls=s.malformed_tool_calls, reasoning_dropped=s.reasoning_dropped,

@@ -8,18 +8,19 @@ episodes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from legorl.config import Config, ConfigError, HarnessConfig, SFTConfig
+from legorl.engine.base import Engine
 from legorl.harness.base import Harness
 from legorl.proxy.server import Proxy
 from legorl.records import LLMCall
-from legorl.rollout.episode import EpisodeContext
+from legorl.rollout.episode import EngineFor, EpisodeContext, always, scripted
 from legorl.rollout.outcomes import resolve_policies
 from legorl.sandbox.limits import SandboxLimits
 from legorl.store import Store
-from legorl.tasks import Task
 
 
 def make_harnesses(cfg: Config, log_dir: Path) -> dict[str, Harness]:
@@ -61,9 +62,10 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
     return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)
 
 
-def make_proxy(cfg: Config, engine: Any, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
+def make_proxy(cfg: Config, engine: Engine, tokenizer: Any, on_call: Callable[[LLMCall], None]) -> Proxy:
     """The LLM proxy with the run's sampling overrides, tool-call format (model.tool_format) and reasoning markers
-    (model.reasoning); every call goes to `on_call` (a store)."""
+    (model.reasoning); every call goes to `on_call` (a store). `engine` (the policy) serves the sessions opened
+    without an engine of their own; episodes open theirs with the engine their context chooses."""
     return Proxy(engine, tokenizer, model_name=cfg.proxy.served_model_name, sampling=cfg.sampling, on_call=on_call,
                  parser=cfg.model.tool_format, reasoning=cfg.model.reasoning)
 
@@ -82,8 +84,16 @@ def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
     return SGLangEngine(e.urls, **common)
 
 
-def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task, str], list[str]] | None]:
-    """The SFT teacher engine and, for the scripted teacher, the script it plays per (task, harness name)."""
+@dataclass(frozen=True)
+class Teacher:
+    """The SFT teacher: the engine (closed when the demonstrations end) and the choice of it per rollout."""
+
+    engine: Engine
+    engine_for: EngineFor
+
+
+def make_teacher(c: SFTConfig, tokenizer: Any) -> Teacher:
+    """The upstream teacher serves every demonstration; the scripted one plays each its task's script."""
     from legorl.engine.scripted import ScriptedEngine
     from legorl.engine.upstream import UpstreamEngine
     from legorl.rollout.teacher import scripted_teacher
@@ -91,8 +101,10 @@ def make_teacher(c: SFTConfig, tokenizer: Any) -> tuple[Any, Callable[[Task, str
     if c.teacher == "upstream":
         if not (c.teacher_url and c.teacher_model):
             raise ValueError("sft.teacher is upstream: set sft.teacher_url and sft.teacher_model")
-        return UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer), None
-    return ScriptedEngine(tokenizer), scripted_teacher(c.check_edits, c.recovery_demos)
+        upstream = UpstreamEngine(c.teacher_url, c.teacher_model, tokenizer)
+        return Teacher(upstream, always(upstream))
+    engine = ScriptedEngine(tokenizer)
+    return Teacher(engine, scripted(engine, scripted_teacher(c.check_edits, c.recovery_demos)))
 
 
 def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:
@@ -103,12 +115,14 @@ def hidden_paths(cfg: Config, run_dir: Path, cache_dir: Path) -> list[Path]:
     return hide
 
 
-def make_context(cfg: Config, *, proxy: Proxy, harness: Harness | dict[str, Harness], store: Store, run_dir: Path,
-                 label: str, hide_paths: list[Path]) -> EpisodeContext:
-    """The long-lived parts an episode uses; sandboxes go under `run_dir / "sandboxes"`."""
+def make_context(cfg: Config, *, proxy: Proxy, engine: Engine, harness: Harness | dict[str, Harness], store: Store,
+                 run_dir: Path, label: str, hide_paths: list[Path]) -> EpisodeContext:
+    """The long-lived parts an episode uses, its sessions served by `engine` (the policy; a teacher's episodes
+    get a copy with the teacher's `engine_for`); sandboxes go under `run_dir / "sandboxes"`."""
     r = cfg.rollout
     harnesses = harness if isinstance(harness, dict) else {harness.name: harness}
-    return EpisodeContext(proxy=proxy, harnesses=harnesses, store=store, run_dir=run_dir, label=label,
+    return EpisodeContext(proxy=proxy, engine_for=always(engine), harnesses=harnesses, store=store, run_dir=run_dir,
+                          label=label,
                           hide_paths=hide_paths, agent_timeout=r.agent_timeout,
                           grading_timeout=r.grading_timeout, policies=resolve_policies(r.policies),
                           faults=cfg.faults, limits=SandboxLimits.from_dict(cfg.sandbox.limits),

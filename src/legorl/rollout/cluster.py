@@ -20,32 +20,44 @@ What runs where:
 
 Weight updates happen in the driver. No call straddles one: `RayCluster.paused()` holds every
 worker's proxy (new calls wait, in-flight ones drain: `Proxy.paused`, the same guarantee as the
-embedded path), the engine is updated, and the workers resume with the new version, which
-their engine clients stamp on every later call. (Per-call stamping alone would not be enough:
-a remote client stamps the version it knows when the call starts.)
+embedded path), the engine is updated, and the workers resume following the driver engine's
+`weights()`, which their engine clients stamp on every later call. (Per-call stamping alone would
+not be enough: a remote client stamps the version it knows when the call starts.)
+
+Teacher demonstrations: `RayCluster.teacher(sft)` has every worker build the SFT teacher, and its
+episodes (`run(..., teacher=True)`) open their sessions with it; the policy's stay as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from legorl.config import Config, SFTConfig
+from legorl.engine.base import Engine, Weights
 from legorl.records import Outcome, Rollout
-from legorl.rollout.builders import make_context, make_harness, make_proxy, make_remote_engine, make_teacher
-from legorl.rollout.episode import CANCELLED_REASON, new_rollout_id, run_episode
-from legorl.rollout.faults import FaultyEngine
-from legorl.rollout.faults import enabled as faults_enabled
+from legorl.rollout.builders import (
+    Teacher,
+    make_context,
+    make_harness,
+    make_proxy,
+    make_remote_engine,
+    make_teacher,
+)
+from legorl.rollout.episode import CANCELLED_REASON, EpisodeContext, new_rollout_id, run_episode
 from legorl.rollout.outcomes import reward_for
+from legorl.rollout.scheduler import RunEpisode
 from legorl.sandbox import reap_sandboxes
 from legorl.store import Store
 from legorl.tasks import Task
@@ -64,7 +76,7 @@ class RolloutWorker:
     """
 
     def __init__(self, index: int, cfg: dict[str, Any], tokenizer: Any, run_dir: str, label: str,
-                 hide_paths: list[str], engine_url: str | None, weight_version: int):
+                 hide_paths: list[str], engine_url: str | None, weights: Weights):
         self.index = index
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = tokenizer
@@ -72,12 +84,13 @@ class RolloutWorker:
         self.label = label
         self.hide_paths = [Path(p) for p in hide_paths]
         self.engine_url = engine_url
-        self.weight_version = weight_version
+        self.weights = weights  # the driver engine's, followed by this worker's client
         self._running: dict[str, asyncio.Task] = {}
         self._pause: contextlib.AbstractAsyncContextManager | None = None
-        self._policy: Any = None  # the policy engine while a teacher is plugged in
+        self._teacher: Teacher | None = None
+        self._teacher_ctx: EpisodeContext | None = None  # the policy's context, its sessions served by the teacher
 
-    def _make_client(self) -> Any:
+    def _make_client(self) -> Engine:
         kind = self.cfg.engine.kind
         if kind == "local":  # the driver's embedded engine, served over HTTP
             from legorl.engine.remote import VLLMEngine
@@ -96,21 +109,24 @@ class RolloutWorker:
         await reap_sandboxes(cfg.sandbox, self.dir / "sandboxes", self.label)  # a killed earlier run's
         self.store = Store(self.dir / "store.sqlite")  # the worker's journal; the driver keeps the run's
         self.client = self._make_client()
-        self.client.weight_version = self.weight_version
-        engine = FaultyEngine(self.client, cfg.faults) if faults_enabled(cfg.faults) else self.client
+        self.client.follow(self.weights)
         self._sock_dir = Path(tempfile.mkdtemp(prefix="legorl-"))  # short path: sun_path is 108 bytes
-        self.proxy = make_proxy(cfg, engine, self.tokenizer, on_call=self.store.add_call)
+        self.proxy = make_proxy(cfg, self.client, self.tokenizer, on_call=self.store.add_call)
         # Port 0: several workers may share a node.
         await self.proxy.start(cfg.proxy.host, 0, unix_socket=self._sock_dir / "proxy.sock")
         self.harness = make_harness(cfg, self.dir / "logs")
         await self.harness.start()
-        self.ctx = make_context(cfg, proxy=self.proxy, harness=self.harness, store=self.store,
+        self.ctx = make_context(cfg, proxy=self.proxy, engine=self.client, harness=self.harness, store=self.store,
                                 run_dir=self.dir, label=self.label, hide_paths=self.hide_paths)
         return {"worker": self.index, "node": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
     async def run(self, task: Task, *, rollout_id: str, step: int, group_id: str, sample_index: int,
-                  split: str) -> Rollout:
-        episode = asyncio.create_task(run_episode(self.ctx, task, step=step, group_id=group_id, split=split,
+                  split: str, teacher: bool = False) -> Rollout:
+        """`teacher`: the SFT teacher (open_teacher) serves the episode's sessions, else the policy."""
+        if teacher and self._teacher_ctx is None:
+            raise RuntimeError(f"rollout worker {self.index} has no teacher: open_teacher first")
+        ctx = self._teacher_ctx if teacher else self.ctx
+        episode = asyncio.create_task(run_episode(ctx, task, step=step, group_id=group_id, split=split,
                                                   sample_index=sample_index, rollout_id=rollout_id))
         self._running[rollout_id] = episode
         try:
@@ -140,25 +156,23 @@ class RolloutWorker:
             self._pause = self.proxy.paused()
             await self._pause.__aenter__()
 
-    async def resume(self, weight_version: int, stale_urls: list[str]) -> None:
-        """Carry on under `weight_version`; servers that failed the reload stay out of rotation."""
-        self.client.weight_version = weight_version
-        for server in getattr(self.client, "servers", []):
-            server.stale = server.url in stale_urls
+    async def resume(self, weights: Weights) -> None:
+        """Carry on under the driver engine's new `weights` (servers that failed its reload stay out of rotation)."""
+        self.client.follow(weights)
         if self._pause is not None:
             pause, self._pause = self._pause, None
             await pause.__aexit__(None, None, None)
 
-    async def use_teacher(self, sft: dict[str, Any]) -> None:
-        """Teacher demonstrations: the proxy answers with the SFT teacher until use_policy()."""
-        teacher, self.ctx.script_for = make_teacher(SFTConfig.model_validate(sft), self.tokenizer)
-        self._policy, self.proxy.engine = self.proxy.engine, teacher
+    async def open_teacher(self, sft: dict[str, Any]) -> None:
+        """Build the SFT teacher for `run(..., teacher=True)`, until close_teacher()."""
+        if self._teacher is None:
+            self._teacher = make_teacher(SFTConfig.model_validate(sft), self.tokenizer)
+            self._teacher_ctx = replace(self.ctx, engine_for=self._teacher.engine_for)
 
-    async def use_policy(self) -> None:
-        if self._policy is not None:
-            teacher, self.proxy.engine, self._policy = self.proxy.engine, self._policy, None
-            self.ctx.script_for = None
-            await teacher.close()
+    async def close_teacher(self) -> None:
+        if self._teacher is not None:
+            teacher, self._teacher, self._teacher_ctx = self._teacher, None, None
+            await teacher.engine.close()
 
     async def close(self) -> None:
         for episode in self._running.values():
@@ -168,6 +182,7 @@ class RolloutWorker:
         for name, method in (("harness", "close"), ("proxy", "stop"), ("client", "close")):
             if hasattr(self, name):
                 closers.append(getattr(getattr(self, name), method))
+        closers.append(self.close_teacher)
         for closer in closers:
             try:
                 await closer()
@@ -193,7 +208,7 @@ class RayCluster:
     """The driver's side: starts the workers, dispatches episodes to them, records what comes back."""
 
     def __init__(self, cfg: Config, *, run_dir: Path, label: str, hide_paths: list[Path], tokenizer: Any,
-                 store: Store, engine: Any, policies: dict[Outcome, Any]):
+                 store: Store, engine: Engine, policies: dict[Outcome, Any]):
         self.cfg = cfg
         self.run_dir = run_dir
         self.label = label
@@ -230,7 +245,7 @@ class RayCluster:
                                                   runtime_env={"env_vars": env} if env else None)
         cfg = self.cfg.model_dump()
         actors = [actor.remote(i, cfg, self.tokenizer, str(self.run_dir), self.label,
-                               [str(p) for p in self.hide_paths], engine_url, self.engine.weight_version)
+                               [str(p) for p in self.hide_paths], engine_url, self.engine.weights())
                   for i in range(r.workers)]
         self.workers = [_Handle(i, a, {}) for i, a in enumerate(actors)]
         try:
@@ -268,8 +283,9 @@ class RayCluster:
             self.store.add_call(call)
 
     async def run_episode(self, task: Task, *, step: int, group_id: str, sample_index: int,
-                          split: str, harness: str | None = None) -> Rollout:
-        """One episode on the least-busy worker (a `RunEpisode` for the GroupRunner); one harness per run."""
+                          split: str, harness: str | None = None, teacher: bool = False) -> Rollout:
+        """One episode on the least-busy worker (a `RunEpisode` for the GroupRunner); one harness per run.
+        `teacher`: served by the workers' SFT teacher (inside `teacher()`), else by the policy."""
         import ray
 
         if harness not in (None, self.cfg.harness.name):  # the config refuses a list of harnesses with Ray
@@ -283,7 +299,7 @@ class RayCluster:
         self.store.upsert_rollout(stub)  # in flight: a killed driver's resume finds it
         worker.inflight += 1
         ref = worker.actor.run.remote(task, rollout_id=rid, step=step, group_id=group_id,
-                                      sample_index=sample_index, split=split)
+                                      sample_index=sample_index, split=split, teacher=teacher)
         result = asyncio.wrap_future(ref.future())
         try:
             rollout = await asyncio.shield(result)
@@ -311,26 +327,24 @@ class RayCluster:
     @contextlib.asynccontextmanager
     async def paused(self) -> Any:
         """Around a weight update: every worker's proxy holds new calls and drains in-flight ones;
-        afterwards the workers carry on under the engine's new version."""
+        afterwards the workers carry on under the engine's new weights."""
         await asyncio.gather(*[w.actor.pause.remote() for w in self._alive()], return_exceptions=True)
         try:
             yield
         finally:
-            version = self.engine.weight_version
-            stale = [s.url for s in getattr(self.engine, "servers", []) if s.stale]
-            await asyncio.gather(*[w.actor.resume.remote(version, stale) for w in self._alive()],
-                                 return_exceptions=True)
+            weights = self.engine.weights()
+            await asyncio.gather(*[w.actor.resume.remote(weights) for w in self._alive()], return_exceptions=True)
 
     @contextlib.asynccontextmanager
-    async def teacher(self, sft: SFTConfig) -> Any:
-        """Every worker's proxy answers with the SFT teacher inside the block."""
-        engine, _ = make_teacher(sft, self.tokenizer)  # a bad teacher config fails here, with its message
-        await engine.close()
-        await asyncio.gather(*[w.actor.use_teacher.remote(sft.model_dump()) for w in self._alive()])
+    async def teacher(self, sft: SFTConfig) -> AsyncIterator[RunEpisode]:
+        """Inside the block, every worker holds the SFT teacher; the episodes run through the yielded
+        `RunEpisode` are served by it (the policy's sessions are not touched)."""
+        await make_teacher(sft, self.tokenizer).engine.close()  # a bad teacher config fails here, with its message
+        await asyncio.gather(*[w.actor.open_teacher.remote(sft.model_dump()) for w in self._alive()])
         try:
-            yield
+            yield functools.partial(self.run_episode, teacher=True)
         finally:
-            await asyncio.gather(*[w.actor.use_policy.remote() for w in self._alive()],
+            await asyncio.gather(*[w.actor.close_teacher.remote() for w in self._alive()],
                                  return_exceptions=True)
 
     async def close(self) -> None:

@@ -1,7 +1,9 @@
 """One rollout, end to end: sandbox, harness through the proxy, diff, grade, outcome.
 
 Every step that can fail is caught here and turned into a typed outcome, so one
-broken rollout never takes its step down. A cancelled rollout (a straggler once
+broken rollout never takes its step down. The rollout's proxy session is opened with the engine
+its context chooses for it (`EngineFor`: the policy, or a teacher playing the task), wrapped in
+chaos mode by a fault injector of its own. A cancelled rollout (a straggler once
 its step has enough groups) cleans up after itself and is recorded as such.
 """
 
@@ -16,8 +18,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from legorl.config import FaultsConfig, SandboxConfig
+from legorl.engine.base import Engine
+from legorl.engine.scripted import Script, ScriptedEngine
 from legorl.grading import empty_patch_report, grade, workspace_diff
 from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
 from legorl.proxy.server import Proxy
@@ -35,6 +40,26 @@ from legorl.tasks.pristine import PRISTINE
 CANCELLED_REASON = "cancelled: a straggler, its step already had enough complete groups"
 
 
+class EngineFor(Protocol):
+    """The engine that serves a rollout's sessions, chosen per rollout by whoever runs the episodes."""
+
+    def __call__(self, task: Task, harness: Harness, rollout_id: str) -> Engine: ...
+
+
+def always(engine: Engine) -> EngineFor:
+    """Every rollout served by `engine`: the policy (RL, evaluation) or the upstream teacher."""
+    return lambda task, harness, rollout_id: engine
+
+
+def scripted(engine: ScriptedEngine, script_for: Callable[[Task, str], Script]) -> EngineFor:
+    """The scripted teacher: each rollout plays the script `script_for` writes for its task and its harness's
+    teacher_style, given to the engine as the rollout's session opens."""
+    def choose(task: Task, harness: Harness, rollout_id: str) -> Engine:
+        engine.set_script(rollout_id, script_for(task, harness.teacher_style))
+        return engine
+    return choose
+
+
 @dataclass
 class EpisodeContext:
     """The long-lived parts a rollout uses (owned by the driver)."""
@@ -46,10 +71,9 @@ class EpisodeContext:
     label: str  # the run's label on every sandbox, for reaping
     agent_timeout: float
     grading_timeout: float
+    engine_for: EngineFor  # which engine serves each rollout's sessions
     hide_paths: list[Path] = field(default_factory=list)  # invisible inside sandboxes (run dir, task files)
     keep_workspaces: bool = False
-    # Teacher episodes: the scripted engine plays this script for each rollout of (task, harness name).
-    script_for: Callable[[Task, str], list[str]] | None = None
     policies: dict[Outcome, Policy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     limits: SandboxLimits | None = None  # None: the sandbox's defaults
@@ -106,12 +130,13 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
     `harness`: which of the run's harnesses plays the episode (default: the first)."""
     rid = rollout_id or new_rollout_id(step, task.instance_id, sample_index)
     agent = _harness(ctx, harness)
+    engine = ctx.engine_for(task, agent, rid)
+    # Chaos mode: engine faults are drawn per call by this rollout's own wrapper, which names the ones it met.
+    faulty = FaultyEngine(engine, ctx.faults, rid) if ctx.faults.engine_exception or ctx.faults.engine_malformed \
+        else None
     rollout = Rollout(id=rid, step=step, task_id=task.instance_id, group_id=group_id, sample_index=sample_index,
-                      harness=agent.name, split=split,
-                      weight_version_start=ctx.proxy.engine.weight_version)
+                      harness=agent.name, split=split, weight_version_start=engine.weight_version)
     ctx.store.upsert_rollout(rollout)
-    if ctx.script_for is not None:
-        ctx.proxy.engine.set_script(rid, ctx.script_for(task, agent.teacher_style))
     plan = plan_for(ctx.faults, rid)
     box_dir = ctx.run_dir / "sandboxes" / rid
     facts = EpisodeFacts(harness=None)
@@ -136,7 +161,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
 
         if sandbox is not None:
             t1 = time.time()
-            session = ctx.proxy.open_session(rid, max_calls=getattr(agent, "max_calls", None), call_kind=agent.call_kind)
+            session = ctx.proxy.open_session(rid, faulty or engine, max_calls=getattr(agent, "max_calls", None),
+                                             call_kind=agent.call_kind)
             run = HarnessRun(rollout_id=rid, task_text=task.problem_statement,
                              api_base=ctx.proxy.openai_base_url(session.token), api_key=session.token,
                              model_name=ctx.proxy.model_name, control_socket=str(sandbox.control_socket),
@@ -183,13 +209,11 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
     finally:
         # Record first: a second cancellation while cleaning up must not leave the rollout unrecorded.
         # Engine faults are drawn per call, so they are named here too: a rollout hit by two faults says so.
-        engine = ctx.proxy.engine
-        engine_hits = engine.injected_for(rid) if isinstance(engine, FaultyEngine) else set()
-        if injected := plan.faults | engine_hits:
+        if injected := plan.faults | (faulty.hits if faulty is not None else set()):
             rollout.timings["injected_faults"] = float(len(injected))
             rollout.outcome_reason += f" [injected: {', '.join(sorted(injected))}]"
         rollout.reward = reward_for(rollout.outcome, ctx.policies) if rollout.outcome else None
-        rollout.weight_version_end = ctx.proxy.engine.weight_version
+        rollout.weight_version_end = engine.weight_version
         rollout.timings["total_s"] = time.time() - t0
         ctx.store.upsert_rollout(rollout)
         if killer is not None:
