@@ -400,11 +400,11 @@ def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
     """CPU time per call of the work itself, in this process, without HTTP (steadier than wall time
     on a shared machine): the engine server's handler vs legorl's call path (bridge, engine, parse,
     record to SQLite, answer)."""
+    from legorl.models.toolformats import TaggedJsonParser
     from legorl.proxy.bridge import CachedEncoder, template_messages
     from legorl.proxy.core import CallCore, SamplingOverride
     from legorl.proxy.openai_chat import OpenAIChat
     from legorl.proxy.sessions import Session
-    from legorl.proxy.toolcalls import TaggedJsonParser
     from legorl.store import Store
 
     tok = load_tokenizer(cache)
