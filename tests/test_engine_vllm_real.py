@@ -74,6 +74,21 @@ def engine(real_vllm: RealVLLM, tokenizer=None, **kwargs: Any) -> VLLMEngine:
     return VLLMEngine([real_vllm.url], model="policy", tokenizer=tokenizer, **kwargs)
 
 
+def test_group_cpu_s_counts_a_process_group() -> None:
+    """The benchmarks' CPU count of a server's process tree: this test's own group has used some CPU."""
+    import os
+    import time
+
+    from legorl.engine.vllm_server import group_cpu_s
+
+    before = group_cpu_s(os.getpgid(0))
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert group_cpu_s(os.getpgid(0)) - before >= 0.03
+    assert group_cpu_s(2**22 + 12345) == 0  # no such group
+
+
 def test_launcher_builds_the_command_and_refuses_what_vllm_mis_serves(tmp_path) -> None:
     """No server needed: the command line legorl runs, and its refusals (with the reasons)."""
     (tmp_path / "config.json").write_text("{}")
@@ -86,6 +101,8 @@ def test_launcher_builds_the_command_and_refuses_what_vllm_mis_serves(tmp_path) 
     for flag, value in (("--dtype", "float32"), ("--logprobs-mode", "processed_logprobs"),
                         ("--max-num-batched-tokens", "2048"), ("--port", "8123")):
         assert cmd[cmd.index(flag) + 1] == value
+    with_tokenizer = command(dataclasses.replace(cfg, skip_tokenizer_init=False), "/venv/bin/python")
+    assert "--skip-tokenizer-init" not in with_tokenizer and "--return-tokens-as-token-ids" in with_tokenizer
     env = environment(cfg, {"PYTHONPATH": "/legorl/src"})
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     bad = {

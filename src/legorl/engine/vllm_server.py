@@ -53,6 +53,7 @@ class VLLMServerConfig:
     kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB: vLLM reads an integer)
     gpu_memory_utilization: float | None = None  # cuda: vLLM's default (0.9) when None
     return_routed_experts: bool = False  # MoE models (needs a vLLM that has the flag)
+    skip_tokenizer_init: bool = True  # False: vLLM loads the tokenizer too (its own chat route; bench/proxy.py)
     extra_args: tuple[str, ...] = ()  # passed through as they are
 
     @property
@@ -96,7 +97,7 @@ def command(cfg: VLLMServerConfig, python: str | Path) -> list[str]:
         "--dtype", cfg.dtype,
         "--max-model-len", str(cfg.max_model_len),
         "--max-num-batched-tokens", str(cfg.batched_tokens),
-        "--skip-tokenizer-init",  # token ids in and out; stop strings are the client's job
+        *(["--skip-tokenizer-init"] if cfg.skip_tokenizer_init else []),  # ids in and out; stop strings: client
         "--return-tokens-as-token-ids",
         "--logprobs-mode", cfg.logprobs_mode,
         "--enable-chunked-prefill" if cfg.chunked_prefill else "--no-enable-chunked-prefill",
@@ -135,6 +136,22 @@ def vllm_python() -> Path | None:
     return None
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``, from /proc
+    (Linux); a server started here leads its own group, with the engine processes vLLM runs."""
+    ticks = 0
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp, ..., utime (14th field), stime (15th)
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -147,6 +164,10 @@ class VLLMServer:
     def __init__(self, cfg: VLLMServerConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:
         self.cfg, self.proc, self.log_path = cfg, proc, log_path
         self.url = f"http://{cfg.host}:{cfg.port}"
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's live processes have used so far (benchmarks: tokens per CPU-second)."""
+        return group_cpu_s(self.proc.pid)
 
     def log_tail(self, n: int = 30) -> str:
         try:
