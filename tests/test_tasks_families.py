@@ -39,9 +39,10 @@ def _digest(cfg_path: Path) -> str:
 
 # The tasks each shipped config trained on before `tasks.families` took effect (all families).
 # Larger pools (Claude Code's 512 RL tasks, the mixed run's 1536 demonstrations) and the harness demos'
-# 128 held-out tasks (their 128 x 1 evaluation) as measured with them.
+# 128 held-out tasks (their 128 x 1 evaluation) as measured with them; the SmolLM2 demo's smaller pool.
 SHIPPED = {(8, 4): "812d8f7764157366", (768, 96): "e31d012280c1df82", (1024, 96): "b493b1610a53ef72",
-           (2048, 96): "d25fcb7e7489fb1c", (768, 128): "674aed1ebfe13620", (1024, 128): "1a4687bc6399186c"}
+           (2048, 96): "d25fcb7e7489fb1c", (768, 128): "674aed1ebfe13620", (1024, 128): "1a4687bc6399186c",
+           (160, 48): "b90cc919ea4fb45a"}
 
 
 BUILTIN_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml")
