@@ -55,7 +55,7 @@ HARMONY_TEMPLATE = (  # gpt-oss: every turn a message; a call is a commentary me
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 
-# format -> (template, special tokens (the end of a turn first), the end of the assistant's tool-call text, whether
+# format -> (template, special tokens (the eos first), the end of the assistant's tool-call text, whether
 # the format writes text and several calls)
 FAMILIES = {
     "hermes": (scaffold("{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (args | tojson) "
@@ -91,8 +91,8 @@ FAMILIES = {
                          before="'<|tool_calls_section_begin|>'", after="'<|tool_calls_section_end|>'"),
                 ["<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                  "<|tool_call_argument_begin|>", "<|tool_call_end|>"], "<|im_end|>", True),
-    "harmony": (HARMONY_TEMPLATE, ["<|end|>", "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>",
-                                   "<|return|>"], "<|call|>", True),
+    "harmony": (HARMONY_TEMPLATE, ["<|return|>", "<|end|>", "<|start|>", "<|message|>", "<|channel|>",
+                                   "<|constrain|>", "<|call|>"], "<|call|>", True),  # gpt-oss's eos: <|return|>
     "minimax_m2": (scaffold("{{- '<invoke name=\"' + f.name + '\">\\n' }}{%- for k, v in args.items() %}"
                             "{{- '<parameter name=\"' + k + '\">' + " + _value() + " + '</parameter>\\n' }}"
                             "{%- endfor %}{{- '</invoke>\\n' }}", end="[e~[", before="'\\n<minimax:tool_call>\\n'",
@@ -104,7 +104,7 @@ DETECTED = {"mistral_v3": "mistral", "deepseek_v31": "deepseek"}  # template var
 
 def build_tokenizer(template: str, special: list[str]) -> PreTrainedTokenizerFast:
     """A small byte-level BPE (every string round-trips) with the family's markers as special tokens (ChatML's
-    too), ending turns on `special[0]`."""
+    too), its eos `special[0]`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -1,8 +1,10 @@
 """An engine that replays scripted assistant texts: for tests, demos and teacher data.
 
-The text is tokenized with the (byte-level) tokenizer and the chat format's end-of-turn token
-appended (``<|im_end|>`` for the built-in tokenizer, ``<|eot_id|>`` for Llama 3), so
-``decode(ids[:-1]) == text`` and the result looks exactly like a sampled assistant turn.
+The text is tokenized with the (byte-level) tokenizer and, unless it ends on a stop id already (a
+gpt-oss tool call written with its closing ``<|call|>``), the chat format's first stop id appended
+(its end-of-turn token: ``<|im_end|>`` for the built-in tokenizer, ``<|eot_id|>`` for Llama 3;
+``<|return|>`` for gpt-oss, whose ``<|end|>`` only closes a message), so the result looks exactly like
+a sampled assistant turn.
 Results are marked ``sampled_from_policy=False``: usable for SFT, never for policy gradient.
 
 Each rollout it serves plays its own script (`set_script`, given when the rollout's session is
@@ -37,6 +39,8 @@ class ScriptedEngine:
         self._max_context = max_context
         fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
         self.end_of_turn_id = fmt.end_of_turn_id
+        self.stop_ids = frozenset(fmt.stop_ids)
+        self._closer = fmt.stop_ids[0]  # what a sampled turn ends on: the end of turn, gpt-oss's <|return|>
         self._default = script
         self._scripts: dict[str, Script] = {}
         self._calls: dict[str, int] = {}
@@ -85,7 +89,9 @@ class ScriptedEngine:
         else:
             raise EngineError(f"script exhausted for rollout {rollout_id} after {len(script)} calls")
         self._calls[rollout_id] = i + 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_of_turn_id]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids or ids[-1] not in self.stop_ids:
+            ids.append(self._closer)
         return GenerationResult(
             completion_ids=ids,
             logprobs=[0.0] * len(ids),

@@ -14,6 +14,11 @@ from what the checkpoint ships:
 - the model directory's **generation_config.json**, when present: its ``eos_token_id`` (one id or a
   list, e.g. Llama 3.1's ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``) are turn ends.
 
+gpt-oss (the ``harmony`` tool format) is the exception: its template closes every message with ``<|end|>``
+(the end of turn read from it), but a reply is several messages (``analysis``, then ``final`` or a
+``commentary`` call), so ``<|end|>`` is no stop id; the turn ends on ``<|return|>`` or ``<|call|>`` (harmony's
+stop tokens for assistant actions), which are turn ends and stop ids whenever the tokenizer has them.
+
 Tools. A probe tool conversation (a tool list, an assistant tool call, a tool result) shows whether
 the template renders each part. When it renders all three, tools are the template's (``tools ==
 "template"``). When any part is missing (SmolLM2's ChatML template ignores ``tools`` and tool calls),
@@ -63,6 +68,8 @@ _PROBE_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {_ARG: {"type": "string"}}, "required": [_ARG]}}}]
 
 
+HARMONY_STOPS = ("<|return|>", "<|call|>")  # where a gpt-oss turn ends (its <|end|> only closes a message)
+
 # Reasoning styles by name (model.reasoning, legorl proxy --reasoning): the markers the model writes around it.
 AUTO_REASONING = "auto"  # the checkpoint's, read from its template
 REASONING_STYLES: dict[str, tuple[str, str] | None] = {
@@ -88,7 +95,7 @@ class ChatFormat:
     end_of_turn: str  # the added token the template closes each turn with, e.g. "<|im_end|>", "<|eot_id|>"
     end_of_turn_id: int
     turn_end_ids: tuple[int, ...]  # sampled ids that end an assistant turn: end_of_turn_id first, then eos ids
-    stop_ids: tuple[int, ...]  # what engines stop on: turn_end_ids, then the pad token's id
+    stop_ids: tuple[int, ...]  # what engines stop on: turn_end_ids (but harmony's <|end|>), then the pad token's id
     eos_id: int | None  # the tokenizer's eos token
     tools: str  # TEMPLATE or LEGORL: who renders tool lists, calls and results
     missing: tuple[str, ...] = ()  # what of a tool conversation the template does not render
@@ -174,16 +181,23 @@ class ChatFormat:
         for i in [eos_id, *_generation_eos(folder)]:
             if isinstance(i, int) and i not in turn_end:
                 turn_end.append(i)
+        missing = _missing_tool_parts(render)
+        tool_format = "tagged" if missing else _tool_format(tokenizer, source)
         stops = list(turn_end)
+        enders = [i for i in _added_ids(tokenizer, HARMONY_STOPS) if i != eot_id] if tool_format == "harmony" else []
+        if enders:  # gpt-oss: <|end|> closes a message and the turn goes on (an analysis message, then the final
+            # answer or a call); the turn ends on <|return|> or <|call|> (harmony's stop tokens for assistant
+            # actions, gpt-oss's generation_config.json), so <|end|> is no stop id
+            turn_end += [i for i in enders if i not in turn_end]
+            stops = [i for i in turn_end if i != eot_id]
         pad, bos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "bos_token_id", None)
         if isinstance(pad, int) and pad != bos and pad not in stops and pad in (getattr(tokenizer, "all_special_ids",
                                                                                         None) or []):
             stops.append(pad)
-        missing = _missing_tool_parts(render)
         return cls(end_of_turn=eot, end_of_turn_id=int(eot_id), turn_end_ids=tuple(turn_end), stop_ids=tuple(stops),
                    eos_id=eos_id if isinstance(eos_id, int) else None, tools=LEGORL if missing else TEMPLATE,
                    missing=tuple(missing), source=source,
-                   tool_format="tagged" if missing else _tool_format(tokenizer, source),
+                   tool_format=tool_format,
                    reasoning=_reasoning_markers(template))
 
 
@@ -286,6 +300,12 @@ def _generation_eos(folder: Path | None) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _added_ids(tokenizer: Any, contents: tuple[str, ...]) -> list[int]:
+    """The ids of those of `contents` that are added tokens of the tokenizer, in that order."""
+    added = {t.content: int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+    return [added[c] for c in contents if c in added]
 
 
 def _tool_format(tokenizer: Any, source: str) -> str:
