@@ -76,7 +76,9 @@ async def _diff_with_a_daemon(tmp_path: Path, cfg: SandboxConfig) -> tuple[str, 
     box = await create_sandbox(cfg, workspace=tmp_path / "ws", sandbox_dir=tmp_path / "sb", label="quiet")
     try:
         await box.write_file("/tmp/daemon.py", DAEMON)
-        await box.exec(f"echo '# edited' >> {module}; (setsid nohup python3 /tmp/daemon.py >/dev/null 2>&1 &)")
+        # a large new file makes git take tens of ms to write the patch: the daemon's window, even on a loaded machine
+        await box.exec(f"echo '# edited' >> {module}; seq 1 150000 > notes.txt;"
+                       " (setsid nohup python3 /tmp/daemon.py >/dev/null 2>&1 &)")
         for _ in range(200):
             if (await box.exec("test -e /tmp/daemon.ready && echo y")).output.strip() == "y":
                 break
