@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from legorl.models.chat_format import LEGORL, ChatFormat, ChatFormatError, chat_format
-from legorl.proxy.bridge import NOT_PREFIX_STABLE, PastCall, TokenBridge, normalize_message, reply_message
 from legorl.models.toolformats import AUTO, PARSERS, detect_tool_format, get_parser
+from legorl.proxy.bridge import NOT_PREFIX_STABLE, PastCall, TokenBridge, normalize_message, reply_message
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SESSION_TURNS = 10
