@@ -52,11 +52,11 @@ def test_each_kind_is_told_apart() -> None:
 def test_shares_cover_every_kind() -> None:
     rs = [rollout(Outcome.UNRESOLVED, [None]), rollout(Outcome.UNRESOLVED, [None]),
           rollout(Outcome.RESOLVED, ["x"], _diff(GOLD[0]), tests_pass=True), rollout(Outcome.AGENT_CRASH, [])]
-    shares = failure_shares(rs, {TASK.instance_id: TASK}, "eval/heldout/")
+    shares = failure_shares((failure_kind(r, TASK) for r in rs), "eval/heldout/")
     assert shares == {"eval/heldout/failures/format": 0.5, "eval/heldout/failures/resolved": 0.25,
                       "eval/heldout/failures/error": 0.25, **{f"eval/heldout/failures/{k}": 0.0 for k in
                                                              ("no_edit", "fixed_unsubmitted", "wrong_file", "wrong_fix")}}
-    assert failure_shares([], {}, "p/") == {f"p/failures/{k}": 0.0 for k in KINDS}
+    assert failure_shares([], "p/") == {f"p/failures/{k}": 0.0 for k in KINDS}
 
 
 def test_renamed_and_new_files_are_both_paths() -> None:

@@ -35,7 +35,7 @@ from legorl.engine.base import Engine
 from legorl.models import ModelSpec, load_or_build, save_model
 from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
-from legorl.monitor.failures import failure_shares
+from legorl.monitor.failures import failure_kind, failure_shares
 from legorl.monitor.loggers import make_loggers
 from legorl.monitor.server import serve_dashboard
 from legorl.records import Outcome, Rollout, TrainingSequence
@@ -476,10 +476,11 @@ class Driver:
                                        harnesses=per_task if len(names) > 1 else None)
         by_harness = {name: [r for r in rollouts if r.harness == name] for name in names}
         by_id = {t.instance_id: t for t in tasks}
-        m = eval_metrics(rollouts, k, prefix=f"eval/{split}/") | failure_shares(rollouts, by_id, f"eval/{split}/")
+        kind = {r.id: failure_kind(r, by_id.get(r.task_id)) for r in rollouts}  # each rollout analysed once
+        m = eval_metrics(rollouts, k, prefix=f"eval/{split}/") | failure_shares(kind.values(), f"eval/{split}/")
         for name, rs in by_harness.items():
             m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
-            m.update(failure_shares(rs, by_id, f"eval/{split}/{name}/"))
+            m.update(failure_shares((kind[r.id] for r in rs), f"eval/{split}/{name}/"))
             m.update({f"eval/{split}/{name}/{key}": v for key, v in behaviour_metrics(rs).items()})
         for key in ("pass_at_1", f"pass_at_{k}"):  # each harness weighs the same
             m[f"eval/{split}/{key}"] = sum(m[f"eval/{split}/{name}/{key}"] for name in names) / len(names)

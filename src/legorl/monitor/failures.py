@@ -56,8 +56,9 @@ def failure_kind(rollout: Rollout, task: Task | None) -> str:
     return "wrong_fix"
 
 
-def failure_shares(rollouts: Iterable[Rollout], tasks: dict[str, Task], prefix: str) -> dict[str, float]:
-    """``PREFIXfailures/KIND``: the share of rollouts of each kind (every kind present, 0.0 when none)."""
-    counts = Counter(failure_kind(r, tasks.get(r.task_id)) for r in rollouts)
+def failure_shares(kinds: Iterable[str], prefix: str) -> dict[str, float]:
+    """``PREFIXfailures/KIND``: the share of each kind among ``kinds`` (one `failure_kind` a rollout; every
+    kind present, 0.0 when none)."""
+    counts = Counter(kinds)
     n = sum(counts.values())
     return {f"{prefix}failures/{k}": counts[k] / n if n else 0.0 for k in KINDS}
