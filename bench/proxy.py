@@ -88,7 +88,7 @@ class FixedEngine:
     def stats(self) -> dict[str, Any]:
         return {}
 
-    async def update_weights(self, state_dict: Any, version: int | None = None) -> int:
+    async def update_weights(self, state_dict: Any, version: int | None = None, *, in_flight: bool = False) -> int:
         return 0
 
     def weights(self) -> Any:

@@ -365,6 +365,13 @@ class RolloutConfig(_Section):
     policies: dict[OutcomeName, Literal["train", "mask", "retry"]] = Field(default_factory=dict)
     max_retries: int = Field(2, ge=0)
     retry_backoff: float = Field(1.0, ge=0.0)  # seconds, doubled per attempt
+    # sync: a step's rollouts, then its update (the engine drained), then the next step's rollouts.
+    # async: the next steps' groups keep being sampled while the trainer trains; updates reach the engine
+    # between decode steps (docs/training.md, "Asynchronous RL").
+    mode: Literal["sync", "async"] = "sync"
+    # async: a step's groups start at most this many weight versions before the step trains on them; a
+    # rollout whose oldest token is older than that (retries, resumes) is dropped, and counted.
+    max_staleness: int = Field(1, ge=0)
 
 
 class FaultsConfig(_Section):
@@ -579,6 +586,13 @@ class Config(_Section):
             raise ValueError(f"model.name ({name}) and model.path ({self.model.path}) are both set: give one "
                              "(model.name is a pulled model, see `legorl models list`; model.path any model "
                              "directory)")
+        return self
+
+    @model_validator(mode="after")
+    def _async_without_ray(self) -> Config:
+        if self.rollout.mode == "async" and self.ray.address is not None:
+            raise ValueError("rollout.mode async runs without Ray for now: the rollout workers' engine clients do "
+                             "not yet follow weights updated mid-generation (set ray.address: null, or mode: sync)")
         return self
 
     @model_validator(mode="after")

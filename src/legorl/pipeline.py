@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,44 @@ class StepResult:
     step: int
     rollouts: list[Rollout]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    """A step's finished groups, with what sampling them measured."""
+
+    rollouts: list[Rollout]
+    metrics: dict[str, float]  # groups/..., engine/... over the batch's sampling
+    seconds: float  # wall time from its first rollout's start to its last group's end
+
+
+def oldest_version(r: Rollout) -> int | None:
+    """The oldest weight version any of the rollout's sampled tokens came from (None: it sampled none)."""
+    versions = [min(c.versions()) for c in r.calls if c.sampled_from_policy and c.completion_ids]
+    return min(versions) if versions else None
+
+
+def staleness_filter(rollouts: list[Rollout], version: int, max_staleness: int,
+                     families: dict[str, str]) -> tuple[list[Rollout], dict[str, float]]:
+    """Asynchronous RL: the rollouts the trainer at weight `version` may train on (none of whose tokens is more
+    than `max_staleness` versions old), and the staleness histogram, tokens sampled across an update and
+    the share dropped per task family (dropping favours the tasks that finish fast: watch it)."""
+    kept: list[Rollout] = []
+    m: dict[str, float] = {"async/dropped": 0.0, "async/calls_across_update": 0.0}
+    by_family: dict[str, list[bool]] = {}
+    for r in rollouts:
+        oldest = oldest_version(r)
+        lag = version - oldest if oldest is not None else 0
+        m[f"async/staleness/{lag}"] = m.get(f"async/staleness/{lag}", 0.0) + 1
+        m["async/calls_across_update"] += sum(c.token_versions is not None for c in r.calls)
+        stale = lag > max_staleness and r.reward is not None
+        by_family.setdefault(families.get(r.task_id, "") or "other", []).append(stale)
+        if stale:
+            m["async/dropped"] += 1
+        else:
+            kept.append(r)
+    m.update({f"async/dropped_share/{f}": sum(d) / len(d) for f, d in by_family.items()})
+    return kept, m
 
 
 def trainable(rollouts: list[Rollout], method: str, normalize_std: bool = False) -> list[tuple[Rollout, float]]:
@@ -273,9 +311,10 @@ class Driver:
                              f"{len(self.train_tasks)} train tasks: raise tasks.n_train or lower sft.demos")
         return pool
 
-    def _progress(self, label: str, total: int) -> tuple[Progress, Any]:
+    def _progress(self, label: str, total: int, shown: bool = True) -> tuple[Progress, Any]:
+        """A transient progress bar on a terminal (`shown` False: none; one live display at a time)."""
         progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console, transient=True, disable=not console.is_terminal)
+                            console=console, transient=True, disable=not (shown and console.is_terminal))
         return progress, progress.add_task(label, total=total)
 
     def several_harnesses(self) -> list[str] | None:
@@ -299,7 +338,7 @@ class Driver:
     async def train_rollouts(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
         r = self.cfg.rollout
         progress, bar = self._progress(f"step {step} rollouts", (r.tasks_per_step + r.oversample_groups)
-                                       * r.group_size)
+                                       * r.group_size, shown=r.mode == "sync")  # async: batches overlap
         finished: list[Rollout] = []  # also the refilled groups': every graded sample tells a pass rate
 
         def on_rollout(x: Rollout) -> None:
@@ -334,36 +373,54 @@ class Driver:
         stats = merge_stats(all_calls, seqs) if seqs else {}
         return seqs, {f"seq/{k}": float(v) for k, v in stats.items()}, trained
 
-    async def step(self, step: int) -> StepResult:
+    async def batch(self, step: int) -> Batch:
+        """Sample step `step`'s groups to completion."""
         t0 = time.time()
         engine_before = self.engine_stats()
         rollouts, group_metrics = await self.train_rollouts(step)
-        t_roll = time.time() - t0
-        engine_metrics = engine_delta(engine_before, self.engine_stats(), t_roll)
+        seconds = time.time() - t0
+        return Batch(rollouts, group_metrics | engine_delta(engine_before, self.engine_stats(), seconds), seconds)
+
+    async def step(self, step: int, batch: Awaitable[Batch] | None = None) -> StepResult:
+        """Train on step `step`'s batch (sampled now, or `batch`: already being sampled, asynchronous RL), then
+        update the engine."""
+        t0 = time.time()
+        b = await (batch if batch is not None else self.batch(step))
+        t_wait = time.time() - t0  # synchronous: the whole rollout phase; asynchronous: the trainer's idle wait
+        rollouts, async_metrics = b.rollouts, {}
+        asynchronous = self.cfg.rollout.mode == "async"
+        if asynchronous:
+            families = {t.instance_id: t.family for t in self.train_tasks}
+            rollouts, async_metrics = staleness_filter(b.rollouts, self.engine.weight_version,
+                                                       self.cfg.rollout.max_staleness, families)
         seqs, seq_metrics, trained = self.sequences(rollouts)
         t1 = time.time()
         train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
         t_train = time.time() - t1
         t2 = time.time()
-        async with self.paused():  # no call straddles the update
-            version = await self.engine.update_weights(self.trainer.state_dict_for_engine())
+        state = self.trainer.state_dict_for_engine()
+        if asynchronous:  # the next steps' generations carry on across it, each token stamped with its version
+            version = await self.engine.update_weights(state, in_flight=True)
+        else:
+            async with self.paused():  # no call straddles the update
+                version = await self.engine.update_weights(state)
         t_sync = time.time() - t2
-        metrics = rollout_metrics(rollouts)
-        metrics.update(group_metrics)
+        metrics = rollout_metrics(b.rollouts)
+        metrics.update(b.metrics)
+        metrics.update(async_metrics)
         metrics.update(seq_metrics)
-        metrics.update(behaviour_metrics(rollouts))
-        metrics.update(per_harness_metrics(rollouts, self.several_harnesses()))
-        metrics.update(engine_metrics)
+        metrics.update(behaviour_metrics(b.rollouts))
+        metrics.update(per_harness_metrics(b.rollouts, self.several_harnesses()))
         metrics.update(train_metrics)
-        metrics.update({"time/rollout_s": t_roll, "time/train_s": t_train, "time/sync_s": t_sync,
-                        "time/step_s": time.time() - t0, "weight_version": float(version)})
+        metrics.update({"time/rollout_s": b.seconds, "time/wait_s": t_wait, "time/train_s": t_train,
+                        "time/sync_s": t_sync, "time/step_s": time.time() - t0, "weight_version": float(version)})
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint, f"step-{step:05d}")
         metrics.update(self.alarms.metrics(self.alarms.update(step, metrics, rollouts)))
         self.store.add_trained(step, trained)
         self.store.add_step(step, metrics)  # after the checkpoint: a recorded step is never redone
         self.loggers.log(step, metrics)
-        return StepResult(step, rollouts, metrics)
+        return StepResult(step, b.rollouts, metrics)
 
     def save_checkpoint(self, name: str) -> Path:
         """``checkpoints/NAME`` (``step-NNNNN``, or ``sft`` for the warm start): weights, optimiser and
@@ -487,17 +544,32 @@ class Driver:
         return m
 
     async def train(self) -> list[StepResult]:
+        """The RL steps. Asynchronous (`rollout.mode: async`): steps up to `max_staleness` ahead are being
+        sampled while a step trains, so a step's groups start at most that many updates before it trains
+        on them; synchronous: each step samples its own, then trains."""
         results = []
-        every = self.cfg.eval.every
-        for step in range(self.first_step, self.cfg.run.steps):
-            r = await self.step(step)
-            if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.steps:
-                evaluation = await self.evaluate(step)
-                r.metrics.update(evaluation)
-                self.store.add_step(step, r.metrics)
-                self.loggers.log(step + 1, evaluation)  # at the count of RL updates it measured
-            console.print(step_line(r), markup=False)  # "[resolved=3]" is not a style tag
-            results.append(r)
+        every, last = self.cfg.eval.every, self.cfg.run.steps
+        ahead = self.cfg.rollout.max_staleness if self.cfg.rollout.mode == "async" else 0
+        pending: dict[int, asyncio.Task[Batch]] = {}
+        try:
+            for step in range(self.first_step, last):
+                for s in range(step, min(step + ahead + 1, last)):
+                    if s not in pending:
+                        pending[s] = asyncio.create_task(self.batch(s))
+                r = await self.step(step, pending.pop(step))
+                if every and (step + 1) % every == 0 and step + 1 < last:
+                    # no update comes while it runs (updates come from this loop), so every eval
+                    # call sees one version, whatever the batches being sampled beside it
+                    evaluation = await self.evaluate(step)
+                    r.metrics.update(evaluation)
+                    self.store.add_step(step, r.metrics)
+                    self.loggers.log(step + 1, evaluation)  # at the count of RL updates it measured
+                console.print(step_line(r), markup=False)  # "[resolved=3]" is not a style tag
+                results.append(r)
+        finally:
+            for t in pending.values():  # an interrupted run: its rollouts clean up and record themselves
+                t.cancel()
+            await asyncio.gather(*pending.values(), return_exceptions=True)
         return results
 
     async def run(self) -> dict[str, Any]:

@@ -64,6 +64,9 @@ class GenerationResult:
     # that was tokenized afterwards: usable for SFT, never for policy gradient).
     sampled_from_policy: bool = True
     routed_experts: list[list[list[int]]] | None = None  # [tokens][layers][top_k]
+    # Asynchronous RL: the weight version each completion token was sampled under, when a weight update
+    # reached the engine mid-generation (None: every token under `weight_version`, the first token's).
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -97,6 +100,12 @@ class LLMCall:
     t_end: float = 0.0
     session: str = MAIN_SESSION  # MAIN_SESSION, or the side session this call belongs to ("title", ...)
     malformed_tool_call: str | None = None  # why an attempted tool call did not parse (it was answered as text)
+    token_versions: list[int] | None = None  # per completion token, when an update came mid-call (GenerationResult)
+
+    def versions(self) -> list[int]:
+        """The weight version of each completion token."""
+        return self.token_versions if self.token_versions is not None else [self.weight_version] * len(
+            self.completion_ids)
 
 
 @dataclass

@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS llm_calls (
     finish_reason TEXT, weight_version INTEGER, completion_text TEXT, tool_calls_json TEXT,
     parent_index INTEGER, segment_break TEXT, naive_prompt_differs INTEGER,
     sampled_from_policy INTEGER, routed_experts BLOB, t_start REAL, t_end REAL, session TEXT NOT NULL DEFAULT 'main',
-    malformed_tool_call TEXT
+    malformed_tool_call TEXT, token_versions BLOB
 );
 CREATE INDEX IF NOT EXISTS llm_calls_rollout ON llm_calls(rollout_id);
 """
@@ -64,7 +64,8 @@ Sessions = Literal["main", "side", "all"]  # which of a rollout's sessions a rea
 _CALL_COLS = (
     "rollout_id, idx, wire_format, request_json, prompt_ids, completion_ids, completion_logprobs, "
     "finish_reason, weight_version, completion_text, tool_calls_json, parent_index, segment_break, "
-    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end, session, malformed_tool_call"
+    "naive_prompt_differs, sampled_from_policy, routed_experts, t_start, t_end, session, malformed_tool_call, "
+    "token_versions"
 )
 
 
@@ -122,6 +123,8 @@ class Store:
                 self._conn.execute(f"ALTER TABLE llm_calls ADD COLUMN session TEXT NOT NULL DEFAULT '{MAIN_SESSION}'")
             if "malformed_tool_call" not in columns:  # a store written before malformed tool calls were recorded
                 self._conn.execute("ALTER TABLE llm_calls ADD COLUMN malformed_tool_call TEXT")
+            if "token_versions" not in columns:  # a store written before asynchronous RL
+                self._conn.execute("ALTER TABLE llm_calls ADD COLUMN token_versions BLOB")
             self._conn.commit()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class Store:
             call.t_end,
             call.session,
             call.malformed_tool_call,
+            ids_to_blob(call.token_versions) if call.token_versions is not None else None,
         )
         marks = ", ".join("?" * len(params))
         return self._write(f"INSERT INTO llm_calls ({_CALL_COLS}) VALUES ({marks})", params)
@@ -511,6 +515,7 @@ def _row_to_call(row: sqlite3.Row) -> LLMCall:
         t_end=row["t_end"] or 0.0,
         session=row["session"] or MAIN_SESSION,
         malformed_tool_call=row["malformed_tool_call"],
+        token_versions=blob_to_ids(row["token_versions"]) if row["token_versions"] is not None else None,
     )
 
 

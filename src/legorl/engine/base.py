@@ -84,10 +84,15 @@ class Engine(Protocol):
         """Counters since start (docs/engines.md); `{}` where the engine keeps none."""
         ...
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
         """Load new weights between requests (a request never spans two versions) and return the new
         weight_version: `version` where given (resume keeps the run's stamps continuous), else the current
-        one + 1. Engines whose weights are not ours (teachers) change nothing and return the current one."""
+        one + 1. Engines whose weights are not ours (teachers) change nothing and return the current one.
+
+        `in_flight` (asynchronous RL, `rollout.mode: async`): generations in progress are not drained; they
+        continue under the new weights, and a result that spans the update says which version sampled each
+        token (`GenerationResult.token_versions`), every token with its exact behaviour logprob."""
         ...
 
     def weights(self) -> Weights:

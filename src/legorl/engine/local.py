@@ -61,7 +61,8 @@ class _Request:
     rng: random.Random  # the request's own stream: same samples alone or in any batch
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[GenerationResult]
-    version: int = 0
+    version: int = 0  # the weights its first token was sampled under
+    versions: list[int] = dataclasses.field(default_factory=list)  # each token's (an in-flight update moves it)
     completion: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: str | None = None
@@ -70,10 +71,11 @@ class _Request:
     feed: list[int] = dataclasses.field(default_factory=list)  # tokens the next step runs
     stop_window: int = 0  # tokens to decode when checking stop strings
 
-    def add(self, token: int, logprob: float, tokenizer: PreTrainedTokenizerBase) -> None:
-        """Record a sampled token and decide whether the request is finished."""
+    def add(self, token: int, logprob: float, version: int, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Record a sampled token (and the weights it came from) and decide whether the request is finished."""
         self.completion.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(version)
         if token in self.stop_ids:
             self.finish = "stop"
         elif self.params.stop and _hits_stop(
@@ -90,6 +92,7 @@ class _Update:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[int]
     version: int | None  # the version the new weights carry (None: the current one + 1)
+    in_flight: bool = False  # applied between decode steps, generations in progress continue under it
 
 
 def _hits_stop(ids: list[int], stops: list[str], tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -321,10 +324,15 @@ class LocalEngine:
                             params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
         raise no_conversations(self)
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
         """Apply ``state_dict`` (all or some parameters) once in-flight requests finish; new requests
         wait meanwhile, so every result is generated under exactly one version. Returns the new version
-        (``version`` where given, else the current one + 1)."""
+        (``version`` where given, else the current one + 1).
+
+        ``in_flight`` (asynchronous RL): applied at the next step boundary instead, without draining; a
+        generation in progress continues under the new weights (over the KV its earlier tokens left) and its
+        result says which version sampled each token (``token_versions``), each token with its exact logprob."""
         # Validate here, before anything is copied: a half-applied update would be worse than none.
         current = self.model.state_dict()
         unexpected = set(state_dict) - set(current)
@@ -336,7 +344,7 @@ class LocalEngine:
         if bad:
             raise EngineError(f"update_weights failed: shape mismatch for {bad[:3]}")
         loop = asyncio.get_running_loop()
-        upd = _Update(state_dict, loop, loop.create_future(), version)
+        upd = _Update(state_dict, loop, loop.create_future(), version, in_flight)
         with self._cv:
             if self._closed:
                 raise EngineError("engine is closed")
@@ -377,8 +385,9 @@ class LocalEngine:
                         self.prefix.clear()
                         self._clear_prefix = False
                     admitted: list[_Request] = []
-                    update = self._updates.popleft() if self._updates and not self._active else None
-                    if not self._updates:  # drain the batch before a pending update
+                    ready = self._updates and (self._updates[0].in_flight or not self._active)
+                    update = self._updates.popleft() if ready else None
+                    if not self._updates:  # drain the batch before a pending (draining) update
                         while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                             admitted.append(self._waiting.popleft())
                 if update is not None:
@@ -433,6 +442,8 @@ class LocalEngine:
         entry, n = self.prefix.match(req.prompt_t, limit)
         source: _Request | PrefixEntry | None = entry
         for other in self._active:  # e.g. another sample of the same group, already prefilled
+            if other.version != self._weight_version:  # its KV is an older version's (an in-flight update)
+                continue
             m = min(common_prefix(other.prompt_t, req.prompt_t), other.n_cached, limit)
             if m > n:
                 source, n = other, m
@@ -527,7 +538,7 @@ class LocalEngine:
         done = []
         for i, r in enumerate(rows):
             if live[i]:
-                r.add(toks[i], lps[i], self.tokenizer)
+                r.add(toks[i], lps[i], self._weight_version, self.tokenizer)
                 # MoE: a finished row runs once more so its last token's routes (and KV) are recorded.
                 if r.finish and not self._record_routes:
                     done.append(i)
@@ -548,9 +559,9 @@ class LocalEngine:
                 self._stats["cancelled"] += 1
                 continue
             routes = self.decoder.get_routes(i, r.n_cached) if self._record_routes else None
-            result = GenerationResult(
-                r.completion, r.logprobs, r.finish or "length", r.version, routed_experts=routes
-            )
+            mixed = any(v != r.version for v in r.versions)
+            result = GenerationResult(r.completion, r.logprobs, r.finish or "length", r.version,
+                                      routed_experts=routes, token_versions=r.versions if mixed else None)
             _resolve(r.future, r.loop, result)
             self._store_prefix(r, i)
         keep_n = len(self._active) - len(gone)
@@ -564,7 +575,8 @@ class LocalEngine:
         self._params = None
 
     def _store_prefix(self, r: _Request, slot: int) -> None:
-        if self.prefix.max_bytes <= 0 or r.n_cached == 0:
+        # KV computed under older weights (an in-flight update came) never serves the new ones
+        if self.prefix.max_bytes <= 0 or r.n_cached == 0 or r.version != self._weight_version:
             return
         tokens = torch.tensor((r.prompt_ids + r.completion)[: r.n_cached], dtype=torch.long)
         nbytes = self._kv_bytes(r.n_cached)

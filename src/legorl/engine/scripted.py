@@ -104,7 +104,8 @@ class ScriptedEngine:
                             params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
         raise no_conversations(self)
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
         """No weights: the version moves as the policy's would, so stamps look like a real run's."""
         self._weight_version = version if version is not None else self._weight_version + 1
         return self._weight_version

@@ -93,7 +93,8 @@ class UpstreamEngine:
         return GenerationResult(completion_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish,
                                 weight_version=0, sampled_from_policy=False)
 
-    async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> int:
+    async def update_weights(self, state_dict: dict[str, Any], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
         return 0  # a teacher's weights are not ours to change
 
     async def close(self) -> None:

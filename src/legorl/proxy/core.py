@@ -260,7 +260,7 @@ class CallCore:
             parent_index=bridged.parent_index, segment_break=bridged.segment_break if first else None,
             naive_prompt_differs=bridged.naive_differs, sampled_from_policy=result.sampled_from_policy,
             routed_experts=result.routed_experts, t_start=t_start, t_end=t_end, session=session.kind,
-            malformed_tool_call=parsed.malformed,
+            malformed_tool_call=parsed.malformed, token_versions=result.token_versions,
         )
         if self.on_call is not None:
             self.on_call(call)  # persisted before the harness sees the answer
@@ -291,6 +291,8 @@ def _check_result(r: GenerationResult) -> None:
     if not ids or len(ids) != len(lps) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError(f"engine returned an invalid completion: {len(ids)} ids, {len(lps)} logprobs "
                          "(ids must be a non-empty list of ints with one logprob each)")
+    if r.token_versions is not None and len(r.token_versions) != len(ids):
+        raise ValueError(f"engine returned {len(r.token_versions)} token weight versions for {len(ids)} ids")
 
 
 def _verbatim_texts(messages: list[dict[str, Any]]) -> list[str]:

@@ -90,8 +90,9 @@ class FaultyEngine:
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
-        return await self.inner.update_weights(state_dict, version)
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
+        return await self.inner.update_weights(state_dict, version, in_flight=in_flight)
 
     def weights(self) -> Weights:
         return self.inner.weights()

@@ -1,0 +1,144 @@
+"""Asynchronous RL (`rollout.mode: async`): weight updates that reach the engine mid-generation, per-token
+weight versions, the staleness filter, and a whole run whose next steps sample while the trainer trains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+
+import pytest
+import torch
+from helpers import wait_until_async
+from test_engine import greedy, no_stop_engine, prompts, recompute
+
+from legorl.config import ConfigError, load_config
+from legorl.engine import LocalEngine
+from legorl.models import ModelSpec, build_model
+from legorl.pipeline import run_job, staleness_filter
+from legorl.records import LLMCall, Outcome, Rollout
+from legorl.store import Store
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None:
+    """The update does not wait for the generation: the tokens after it come from the new weights, each stamped
+    with its version; a request started after it is served by the new weights alone (no KV of the old ones)."""
+    old = build_model(ModelSpec(num_layers=1, seed=2), tok)
+    new = build_model(ModelSpec(num_layers=1, seed=3), tok)
+    p = prompts(tok, 1)[0]
+
+    async def go(eng: LocalEngine):
+        before = await eng.generate(p, greedy(300))  # the old weights' greedy answer, its KV now cached
+        inflight = asyncio.create_task(eng.generate(p, greedy(300)))
+        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 310, timeout=60)
+        version = await eng.update_weights(new.state_dict(), in_flight=True)
+        running = not inflight.done()
+        after = await eng.generate(p, greedy(8))  # beside the still-running old-KV row
+        return before, await inflight, version, running, after
+
+    before, mixed, version, running, after = asyncio.run(_with(no_stop_engine(old, tok), go))
+    assert version == 1 and running, "the update waited for the generation to finish"
+    versions = mixed.token_versions
+    assert versions is not None and len(versions) == len(mixed.completion_ids) == 300
+    switch = versions.index(1)
+    assert 0 < switch < 300 and versions == [0] * switch + [1] * (300 - switch)
+    assert mixed.weight_version == 0  # the version of its first (oldest) token
+    # up to the update: exactly the old weights' tokens and logprobs
+    assert mixed.completion_ids[:switch] == before.completion_ids[:switch]
+    assert mixed.logprobs[:switch] == pytest.approx(before.logprobs[:switch], abs=1e-4)
+    # a request after the update: the new weights over its whole prompt (nothing cached or copied from old KV)
+    assert after.weight_version == 1 and after.token_versions is None
+    assert torch.allclose(recompute(new, p, after, 0.0), torch.tensor(after.logprobs), atol=1e-4)
+
+
+def test_a_draining_update_still_keeps_one_version_per_generation(tok) -> None:
+    m = build_model(ModelSpec(num_layers=1, seed=2), tok)
+    other = build_model(ModelSpec(num_layers=1, seed=3), tok).state_dict()
+    p = prompts(tok, 1)[0]
+
+    async def go(eng: LocalEngine):
+        inflight = asyncio.create_task(eng.generate(p, greedy(200)))
+        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 5, timeout=60)
+        await eng.update_weights(other)
+        return await inflight
+
+    res = asyncio.run(_with(no_stop_engine(m, tok), go))
+    assert res.token_versions is None and res.weight_version == 0 and len(res.completion_ids) == 200
+
+
+async def _with(engine, fn):
+    try:
+        return await fn(engine)
+    finally:
+        await engine.close()
+
+
+def _rollout(rid: str, task: str, versions: list[list[int]], reward: float | None = 1.0) -> Rollout:
+    calls = [LLMCall(rollout_id=rid, index=i, wire_format="openai_chat", request={}, prompt_ids=[1],
+                     completion_ids=[5] * len(v), completion_logprobs=[-0.1] * len(v), finish_reason="stop",
+                     weight_version=v[0], completion_text="", token_versions=v if len(set(v)) > 1 else None)
+             for i, v in enumerate(versions)]
+    return Rollout(id=rid, step=3, task_id=task, group_id="g", sample_index=0, harness="mini-swe-agent",
+                   outcome=Outcome.RESOLVED if reward else Outcome.UNRESOLVED, reward=reward, calls=calls)
+
+
+def test_the_staleness_filter_drops_by_the_oldest_token_and_counts_per_family() -> None:
+    rollouts = [
+        _rollout("fresh", "a1", [[5, 5], [5]]),
+        _rollout("one", "a2", [[4, 4, 5], [5]]),  # crossed an update mid-call: its oldest token is 1 behind
+        _rollout("two", "b1", [[3], [4, 4]]),  # 2 behind: dropped at max_staleness 1
+        _rollout("masked", "b2", [[2]], reward=None),  # masked anyway: not counted as dropped
+    ]
+    kept, m = staleness_filter(rollouts, version=5, max_staleness=1, families={"a1": "x", "a2": "x", "b1": "y", "b2": "y"})
+    assert [r.id for r in kept] == ["fresh", "one", "masked"]
+    assert m["async/dropped"] == 1 and m["async/calls_across_update"] == 1
+    assert (m["async/staleness/0"], m["async/staleness/1"], m["async/staleness/2"], m["async/staleness/3"]) == (
+        1, 1, 1, 1)
+    assert m["async/dropped_share/x"] == 0 and m["async/dropped_share/y"] == 0.5
+
+
+def test_token_versions_survive_the_store(tmp_path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    r = _rollout("r", "t", [[7, 7, 8], [8]])
+    for c in r.calls:
+        store.add_call(c)
+    got = store.calls_for("r")
+    assert got[0].token_versions == [7, 7, 8] and got[1].token_versions is None
+    assert got[0].versions() == [7, 7, 8] and got[1].versions() == [8]
+
+
+def test_async_with_ray_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="rollout.mode async runs without Ray"):
+        load_config(None, ["rollout.mode=async", "ray.address=auto"])
+
+
+def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir) -> None:
+    run_dir = tmp_path / "async"
+    cfg = load_config(None, [
+        f"run.cache_dir={cache_dir}", "run.steps=4", "model.hidden_size=64", "model.num_layers=2",
+        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=4", "tasks.n_train=8",
+        "tasks.n_heldout=1", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.concurrency=8",
+        "rollout.mode=async", "rollout.max_staleness=1", "sft.enabled=false", "eval.before_training=false",
+        "eval.after_training=false", "eval.every=2",
+    ])
+    summary = asyncio.run(run_job(cfg, run_dir))
+    assert summary["steps"] == 4
+    con = sqlite3.connect(run_dir / "store.sqlite")
+    metrics = [json.loads(r[0]) for r in con.execute("SELECT metrics_json FROM steps ORDER BY step")]
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:  # every trained rollout within the bound; none needed dropping
+        lags = {int(k.rsplit("/", 1)[1]) for k in m if k.startswith("async/staleness/")}
+        assert lags and max(lags) <= 1 and m["async/dropped"] == 0
+        assert m["time/wait_s"] <= m["time/step_s"]
+    # steps 1..3 began sampling before the step before them had trained: some of their tokens are 1 version old
+    assert any(m.get("async/staleness/1", 0) > 0 for m in metrics[1:])
+    # each rollout trained at most once, and only in the step it was sampled for
+    trained = con.execute("SELECT t.step, r.step FROM trained_samples t JOIN rollouts r ON r.id = t.rollout_id"
+                          ).fetchall()
+    assert trained and all(a == b for a, b in trained)
+    ids = [r[0] for r in con.execute("SELECT rollout_id FROM trained_samples")]
+    assert len(ids) == len(set(ids))
+    assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL").fetchone()[0] == 0
+    assert "eval/heldout/pass_at_1" in metrics[1]  # the evaluation between steps ran beside the next batch
