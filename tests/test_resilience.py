@@ -60,11 +60,13 @@ def test_chaos_run_completes_and_never_trains_on_failures(tmp_path, cache_dir):
     assert not surviving_processes(run_dir)
 
 
-def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_mid_step_then_resume(tmp_path, cache_dir, mode):
+    """Asynchronous: the next step's rollouts are in flight while a step trains; the kill leaves both kinds."""
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
            "--run-dir", str(run_dir), f"run.cache_dir={cache_dir}", *TOY, "run.steps=3",
-           "rollout.tasks_per_step=2", "rollout.group_size=2"]
+           "rollout.tasks_per_step=2", "rollout.group_size=2", f"rollout.mode={mode}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db = run_dir / "store.sqlite"
 
@@ -104,6 +106,11 @@ def test_sigkill_mid_step_then_resume(tmp_path, cache_dir):
     assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL").fetchone()[0] == 0
     trained_steps = [r[0] for r in con.execute("SELECT DISTINCT step FROM trained_samples ORDER BY step")]
     assert set(trained_steps) <= {0, 1, 2}
+    trained = [r[0] for r in con.execute("SELECT rollout_id FROM trained_samples")]
+    assert len(trained) == len(set(trained))  # no sample trained twice
+    # every rollout the killed run sampled for a redone step is kept, marked superseded, never trained
+    superseded = {r[0] for r in con.execute("SELECT id FROM rollouts WHERE split = 'superseded'")}
+    assert not superseded & set(trained)
     assert rep["integrity"]["trained_from_masked"] == 0 and rep["integrity"]["untraceable_samples"] == 0
     assert not surviving_processes(run_dir)
 
