@@ -4,6 +4,7 @@ weight versions, the staleness filter, and a whole run whose next steps sample w
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import sqlite3
 
@@ -13,11 +14,13 @@ from helpers import wait_until_async
 from test_engine import greedy, no_stop_engine, prompts, recompute
 
 from legorl.config import ConfigError, load_config
-from legorl.engine import LocalEngine
+from legorl.engine import LocalEngine, token_logprobs
 from legorl.models import ModelSpec, build_model
 from legorl.pipeline import run_job, staleness_filter
 from legorl.records import LLMCall, Outcome, Rollout
 from legorl.store import Store
+from legorl.train.losses import is_correction
+from legorl.train.sequences import build_sequences
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None:
     """The update does not wait for the generation: the tokens after it come from the new weights, each stamped
     with its version; a request started after it is served by the new weights alone (no KV of the old ones)."""
-    old = build_model(ModelSpec(num_layers=1, seed=2), tok)
+    served = build_model(ModelSpec(num_layers=1, seed=2), tok)  # the engine loads the update into it
+    old = copy.deepcopy(served)
     new = build_model(ModelSpec(num_layers=1, seed=3), tok)
     p = prompts(tok, 1)[0]
 
@@ -38,7 +42,7 @@ def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None
         after = await eng.generate(p, greedy(8))  # beside the still-running old-KV row
         return before, await inflight, version, running, after
 
-    before, mixed, version, running, after = asyncio.run(_with(no_stop_engine(old, tok), go))
+    before, mixed, version, running, after = asyncio.run(_with(no_stop_engine(served, tok), go))
     assert version == 1 and running, "the update waited for the generation to finish"
     versions = mixed.token_versions
     assert versions is not None and len(versions) == len(mixed.completion_ids) == 300
@@ -48,9 +52,33 @@ def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None
     # up to the update: exactly the old weights' tokens and logprobs
     assert mixed.completion_ids[:switch] == before.completion_ids[:switch]
     assert mixed.logprobs[:switch] == pytest.approx(before.logprobs[:switch], abs=1e-4)
+    # after it: exactly what the new weights give over the old weights' KV of the earlier positions (the
+    # feed of token `switch` ran under the new weights): recomputed with the old model's cache handed on
+    ids = p + mixed.completion_ids
+    cut = len(p) + switch - 1
+    with torch.no_grad():
+        cache = old(torch.tensor([ids[:cut]]), use_cache=True).past_key_values
+        logits = new(torch.tensor([ids[cut:-1]]), past_key_values=cache).logits[0]
+    hybrid = token_logprobs(logits, torch.tensor(mixed.completion_ids[switch:]), 0.0, 1.0)
+    assert torch.allclose(hybrid, torch.tensor(mixed.logprobs[switch:]), atol=1e-5)
     # a request after the update: the new weights over its whole prompt (nothing cached or copied from old KV)
     assert after.weight_version == 1 and after.token_versions is None
     assert torch.allclose(recompute(new, p, after, 0.0), torch.tensor(after.logprobs), atol=1e-4)
+
+    # the trainer (at the new weights) corrects by exactly behaviour -> current: weights exp(cur - behaviour)
+    call = LLMCall(rollout_id="r", index=0, wire_format="openai_chat", request={}, prompt_ids=p,
+                   completion_ids=mixed.completion_ids, completion_logprobs=mixed.logprobs, finish_reason="length",
+                   weight_version=0, completion_text="", token_versions=versions)
+    [seq] = build_sequences("r", [call], 1.0)
+    mask = torch.tensor([seq.loss_mask], dtype=torch.bool)
+    behaviour = torch.tensor([seq.rollout_logprobs])
+    assert behaviour[mask].tolist() == pytest.approx(mixed.logprobs, abs=0)  # carried over untouched
+    cur = torch.zeros_like(behaviour)
+    cur[0, len(p):] = recompute(new, p, mixed, 0.0)
+    corr = is_correction(cur, behaviour, mask, "tis", cap=2.0)
+    direct = torch.exp(cur[mask].double() - behaviour[mask].double()).clamp(max=2.0)
+    assert torch.allclose(corr.weight[mask].double(), direct, atol=1e-6)
+    assert not torch.allclose(direct[switch:], torch.ones(300 - switch, dtype=torch.float64), atol=1e-3)
 
 
 def test_a_draining_update_still_keeps_one_version_per_generation(tok) -> None:

@@ -263,8 +263,13 @@ class RemoteEngine:
                             params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:
         raise no_conversations(self)
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Write ``state_dict`` as a checkpoint under ``checkpoint_dir`` and have every server reload it."""
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None, *,
+                             in_flight: bool = False) -> int:
+        """Write ``state_dict`` as a checkpoint under ``checkpoint_dir`` and have every server reload it.
+
+        ``in_flight`` drains too: a server's answer does not say which of its tokens came before a pause
+        (vLLM 0.32's ``/pause?mode=keep|abort`` included), so a generation never spans a reload here. Only the
+        reload itself waits for in-flight calls; asynchronous RL still samples while the trainer trains."""
         if self.checkpoint_dir is None:
             raise EngineError(
                 f"{type(self).__name__}.update_weights needs checkpoint_dir (a directory the servers can read)"
