@@ -16,6 +16,8 @@ from test_engine import greedy, no_stop_engine, prompts, recompute
 from legorl.config import ConfigError, load_config
 from legorl.engine import LocalEngine, token_logprobs
 from legorl.models import ModelSpec, build_model
+from legorl.monitor.analytics import overview
+from legorl.monitor.db import RunDB
 from legorl.pipeline import run_job, staleness_filter
 from legorl.records import LLMCall, Outcome, Rollout
 from legorl.store import Store
@@ -170,3 +172,10 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     assert len(ids) == len(set(ids))
     assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL").fetchone()[0] == 0
     assert "eval/heldout/pass_at_1" in metrics[1]  # the evaluation between steps ran beside the next batch
+
+    # the dashboard's overview: staleness per step, dropped shares per family, the trainer's wait in the time split
+    charts = {c["id"]: c for c in overview(RunDB(run_dir))["charts"]}
+    names = {s["name"] for s in charts["staleness"]["series"]}
+    assert {"0 behind", "1 behind", "dropped"} <= names
+    assert charts["dropped_by_family"]["series"] and charts["staleness"]["x"] == [0, 1, 2, 3]
+    assert "waiting for rollouts" in {s["name"] for s in charts["time"]["series"]}

@@ -79,9 +79,25 @@ def _eval_series(db: RunDB, xs: list[int], train_pass: list[float | None]) -> di
 
 OVERVIEW_METRICS = [
     "pass_rate", "reward/mean", "rollouts/turns_mean", "rollouts/count", "rollouts/completion_tokens_mean",
-    "time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/grading_s", "train/logprob_pearson",
+    "time/step_s", "time/rollout_s", "time/wait_s", "time/train_s", "time/sync_s", "time/grading_s",
+    "train/logprob_pearson", "async/dropped",
     "train/is_ess", "train/mismatch_k3_kl", "train/mismatch_abs_dlogp_mean", "seq/tokens_unmerged", "train/rollouts",
     "behaviour/turns_per_rollout", "train/loss", "train/grad_norm", "train/clip_frac"]
+
+
+def _async_charts(steps: list[tuple[int, float, dict[str, float]]]) -> list[dict[str, Any]]:
+    """Asynchronous RL: rollouts per step by staleness (weight versions behind the trainer) and dropped, and
+    the share dropped per task family (dropping stale rollouts favours the tasks that finish fast)."""
+    xs = [s for s, _, _ in steps]
+    lags = sorted({int(k.rsplit("/", 1)[1]) for _, _, m in steps for k in m if k.startswith("async/staleness/")})
+    families = sorted({k.rsplit("/", 1)[1] for _, _, m in steps for k in m if k.startswith("async/dropped_share/")})
+    return [
+        chart("staleness", "Asynchronous: rollouts by staleness (versions behind the trainer), dropped", xs,
+              {**{f"{n} behind": [m.get(f"async/staleness/{n}", 0.0) for _, _, m in steps] for n in lags},
+               "dropped": [m.get("async/dropped") for _, _, m in steps]}, kind="stacked"),
+        chart("dropped_by_family", "Asynchronous: share dropped as stale, per task family", xs,
+              {f: [m.get(f"async/dropped_share/{f}") for _, _, m in steps] for f in families}, ymin=0, ymax=1),
+    ]
 
 
 def overview(db: RunDB) -> dict[str, Any]:
@@ -103,8 +119,11 @@ def overview(db: RunDB) -> dict[str, Any]:
                       for t, n in zip(g("rollouts/turns_mean"), g("rollouts/count"))]
     sampled = [c * t if c is not None and t is not None else None
                for c, t in zip(calls_per_step, g("rollouts/completion_tokens_mean"))]
+    # asynchronous: the batch was sampled while earlier steps trained; the step waited time/wait_s for it
+    asynchronous = any(v is not None for v in g("async/dropped"))
+    rollout = g("time/wait_s") if asynchronous else g("time/rollout_s")
     other = [None if st is None else max(0.0, st - sum(v or 0.0 for v in parts))
-             for st, *parts in zip(g("time/step_s"), g("time/rollout_s"), g("time/train_s"), g("time/sync_s"),
+             for st, *parts in zip(g("time/step_s"), rollout, g("time/train_s"), g("time/sync_s"),
                                    g("time/grading_s"))]
     charts = [
         chart("reward", "Reward and pass rate (train, eval)", ev["x"], {**rewards, **ev_series}, ymin=0, ymax=1),
@@ -123,11 +142,13 @@ def overview(db: RunDB) -> dict[str, Any]:
         chart("rollouts_per_min", "Throughput: rollouts / min", xs,
               {"rollouts/min": _ratio(g("rollouts/count"), g("time/step_s"), 60.0)}, ymin=0),
         chart("time", "Step time split (s)", xs,
-              {"rollout": g("time/rollout_s"), "grading": g("time/grading_s"), "training": g("time/train_s"),
-               "weight sync": g("time/sync_s"), "other": other}, kind="stacked"),
+              {"waiting for rollouts" if asynchronous else "rollout": rollout, "grading": g("time/grading_s"),
+               "training": g("time/train_s"), "weight sync": g("time/sync_s"), "other": other}, kind="stacked"),
         chart("train", "Training: loss, grad norm, clip fraction", xs,
               {"loss": g("train/loss"), "grad norm": g("train/grad_norm"), "clip frac": g("train/clip_frac")}),
     ]
+    if asynchronous:
+        charts += _async_charts(steps)
     totals = db.outcome_totals()
     return {
         "run": {"dir": str(db.run_dir), "name": db.run_info()["name"], "steps": len(xs),
