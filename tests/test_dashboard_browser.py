@@ -49,6 +49,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     log = open(run.parent / "train.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     live_checks = 0
+    phases: list[str] = []  # what /api/progress said while the run went
     deadline = time.time() + 600
     try:
         client = None
@@ -59,6 +60,10 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if client is not None:  # the dashboard reads while the trainer writes
                 assert client.get("/api/overview").status_code == 200
                 assert client.get("/api/rollouts").status_code == 200
+                p = client.get("/api/progress").json()
+                if p["phase"] and (not phases or phases[-1] != p["phase"]):
+                    phases.append(p["phase"])
+                    assert p["label"] and p["phase_elapsed_s"] >= 0
                 live_checks += 1
         if proc.poll() is None:
             proc.kill()
@@ -67,6 +72,9 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         log.close()
     assert proc.returncode == 0, (run.parent / "train.log").read_text()[-3000:]
     assert live_checks > 0
+    # the phases came in order (a short one may pass between two polls), the last one seen being "done"
+    order = ["demonstrations", "sft", "eval_before_rl", "rl", "eval_after_rl", "done"]
+    assert len(phases) >= 3 and phases == sorted(phases, key=order.index), phases
     return run
 
 
@@ -123,6 +131,11 @@ def test_overview(page: Any, base_url: str) -> None:
     assert "rollouts" in stats and "model calls" in stats
     page.hover("#chart-mismatch svg", position={"x": 200, "y": 100})
     assert "step" in page.locator("#tip").inner_text()
+    # the phase banner: finished, every planned phase with its measured time; the resolved config on demand
+    assert page.locator("#phase-label").inner_text() == "finished"
+    assert page.locator(".phase-step.done").count() == page.locator(".phase-step").count() >= 3
+    page.click("#config summary")
+    page.wait_for_function("document.querySelector('#config pre').textContent.includes('tasks_per_step')")
     shot(page, "overview")
 
 

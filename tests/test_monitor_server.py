@@ -246,3 +246,27 @@ def test_cli_command(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "without a token" in r.output
     r = runner.invoke(app, ["dashboard", str(tmp_path / "missing")], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "has no store.sqlite" in r.output
+
+
+def test_the_time_left_is_estimated_from_measured_phase_times() -> None:
+    from legorl.monitor.progress import estimate
+
+    planned = ["demonstrations", "sft", "eval_before_rl", "rl", "eval_after_rl"]
+    base = {"planned": planned, "steps": 10, "mode": "sync", "phase_started": 1000.0}
+    # RL after 4 of 10 steps in 400 s: 600 s more, then the final evaluation as long as the first (120 s)
+    p = estimate({**base, "phase": "rl", "phase_times_s": {"eval_before_rl": 120.0}, "first_step": 0},
+                 steps_done=4, now=1400.0)
+    assert p["label"] == "RL step 5 of 10" and p["share"] == 0.4 and p["time_left_s"] == 720.0
+    # a resumed run counts only its own steps' rate: 2 steps (4 -> 6) in 400 s
+    p = estimate({**base, "phase": "rl", "phase_times_s": {"eval_before_rl": 120.0}, "first_step": 4},
+                 steps_done=6, now=1400.0)
+    assert p["time_left_s"] == 4 * 200.0 + 120.0
+    # demonstrations: 30 of 120 rollouts in 60 s; the later phases are not measured yet -> no estimate
+    p = estimate({**base, "phase": "demonstrations", "done": 30, "total": 120, "phase_times_s": {}},
+                 steps_done=0, now=1060.0)
+    assert p["label"] == "teacher demonstrations: 30 of 120" and p["share"] == 0.25 and p["time_left_s"] is None
+    # the final evaluation, 10 of 40 in 30 s: its own rest only
+    p = estimate({**base, "phase": "eval_after_rl", "done": 10, "total": 40, "phase_times_s": {}},
+                 steps_done=10, now=1030.0)
+    assert p["time_left_s"] == 90.0
+    assert estimate({**base, "phase": "done", "phase_times_s": {}}, steps_done=10)["time_left_s"] is None

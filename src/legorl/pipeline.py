@@ -37,6 +37,7 @@ from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
 from legorl.monitor.failures import failure_kind, failure_shares
 from legorl.monitor.loggers import make_loggers
+from legorl.monitor.progress import RunProgress
 from legorl.monitor.server import serve_dashboard
 from legorl.records import Outcome, Rollout, TrainingSequence
 from legorl.rollout.builders import (
@@ -179,6 +180,10 @@ class Driver:
         self.store = Store(self.run_dir / "store.sqlite")
         self.store.add_run(cfg.run.name, cfg.model_dump())
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        planned = (["demonstrations", "sft"] if cfg.sft.enabled and cfg.sft.demos else []) + (
+            ["eval_before_rl"] if cfg.eval.before_training else []) + ["rl"] + (
+            ["eval_after_rl"] if cfg.eval.after_training else [])
+        self.progress = RunProgress(self.run_dir, cfg.run.steps, planned, cfg.rollout.mode)  # for the dashboard
 
         policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path,
                                                          ModelSpec.from_config(cfg.model),
@@ -327,10 +332,15 @@ class Driver:
         """Every sample of every task, to completion (evaluation and demonstrations); task i through
         harnesses[i] (default: the run's first harness); `runner`: the teacher's (default: the policy's)."""
         progress, bar = self._progress(f"step {step} {split} rollouts", len(tasks) * samples)
+        self.progress.expect(len(tasks) * samples)
+
+        def on_rollout(_: Rollout) -> None:
+            progress.advance(bar)
+            self.progress.tick()
+
         with progress:
             groups, stats = await (runner or self.runner).all_groups(tasks, step, samples, split,
-                                                         on_rollout=lambda _: progress.advance(bar),
-                                                         harnesses=harnesses)
+                                                                     on_rollout=on_rollout, harnesses=harnesses)
         for err in stats.errors:
             console.print(f"[red]rollout failed unexpectedly: {err}")
         return [r for g in groups for r in g]
@@ -493,6 +503,7 @@ class Driver:
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
             bar = progress.add_task("sft", total=total, loss="")
+            self.progress.expect(total)
             for batch in itertools.islice(batches(), total):
                 lr = c.lr * schedule.factor(len(losses))
                 for group in self.trainer.optimizer.param_groups:
@@ -500,6 +511,7 @@ class Driver:
                 m = await asyncio.to_thread(self.trainer.sft_step, batch)
                 losses.append(m["sft/loss"])
                 progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
+                self.progress.tick()
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
         # RL gets a fresh first moment. Keeping the second one makes an RL update's size follow its
@@ -556,6 +568,7 @@ class Driver:
                 for s in range(step, min(step + ahead + 1, last)):
                     if s not in pending:
                         pending[s] = asyncio.create_task(self.batch(s))
+                self.progress.at_step(step)
                 r = await self.step(step, pending.pop(step))
                 if every and (step + 1) % every == 0 and step + 1 < last:
                     # no update comes while it runs (updates come from this loop), so every eval
@@ -589,6 +602,7 @@ class Driver:
         @contextlib.contextmanager
         def phase(name: str) -> Iterator[None]:
             t = time.time()
+            self.progress.enter(name, phase_times)
             yield
             phase_times[name] = phase_times.get(name, 0.0) + time.time() - t
 
@@ -607,6 +621,7 @@ class Driver:
             self.loggers.log(0, summary["before_rl"])  # evaluations go to the loggers at the RL updates done
             save()
             console.print(eval_line("before RL", summary["before_rl"]), markup=False)
+        self.progress.state["first_step"] = self.first_step  # a resumed run's step rate counts its own steps
         with phase("rl"):
             await self.train()
         if self.cfg.eval.after_training:
@@ -623,6 +638,7 @@ class Driver:
             "per_harness": per_harness(summary, self.cfg.eval.split, self.cfg.harness.names),
         })
         save()
+        self.progress.finish(phase_times)
         return summary
 
 

@@ -35,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from legorl.monitor import analytics
 from legorl.monitor.config import AlarmConfig
 from legorl.monitor.db import RolloutFilter, RunDB
+from legorl.monitor.progress import estimate, read_progress
 from legorl.monitor.trajectory import TokenDecoder, trajectory
 
 STATIC = Path(__file__).parent / "static"
@@ -188,6 +189,20 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
     @app.get("/api/overview")
     def api_overview() -> Response:
         return _json(db.cached(("overview",), lambda: json_bytes(analytics.overview(db))))
+
+    @app.get("/api/progress")
+    def api_progress() -> dict[str, Any]:
+        """The run's phase, its progress and the time left (null where nothing measured supports it)."""
+        p = read_progress(run_dir)
+        return estimate(p, steps_done=len(db.steps())) if p is not None else {"phase": None}
+
+    @app.get("/api/config")
+    def api_config() -> Response:
+        """The resolved config the run was launched with (config.json)."""
+        path = run_dir / "config.json"
+        if not path.is_file():
+            raise HTTPException(404, "this run has no config.json")
+        return _json(path.read_bytes())
 
     @app.get("/api/rollouts")
     def api_rollouts(step: str | None = None, step_min: str | None = None, step_max: str | None = None,

@@ -56,12 +56,32 @@ async function alarmBanner() {
 live(alarmBanner, 10000);
 
 // ---- overview ------------------------------------------------------------------------------------------
+const duration = s => s === null || s === undefined ? "–" : s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
+async function phaseBanner(box) {
+  const p = await api("/api/progress");
+  if (!p.phase) { box.hidden = true; return; }
+  box.hidden = false;
+  const steps = (p.planned || []).map(n => `<span class="phase-step${n === p.phase ? " current" : p.phase_times_s[n] !== undefined ? " done" : ""}">${esc(n.replaceAll("_", " "))}${p.phase_times_s[n] !== undefined && n !== p.phase ? " · " + duration(p.phase_times_s[n]) : ""}</span>`).join(" → ");
+  const bar = p.share === null || p.share === undefined ? "" : `<progress max="1" value="${p.share}"></progress> ${pct(p.share)}`;
+  box.innerHTML = `<div><b id="phase-label">${esc(p.label)}</b> ${bar}</div>
+    <div class="muted">${p.phase === "done" ? "phases took " + duration(Object.values(p.phase_times_s).reduce((a, b) => a + b, 0)) : `in this phase ${duration(p.phase_elapsed_s)} · time left ${p.time_left_s === null ? "not estimated yet" : "about " + duration(p.time_left_s)}`}</div>
+    <div class="phases">${steps}</div>`;
+}
 async function overview() {
   const grid = h('<div class="grid-charts"></div>');
   const stats = h('<div class="stats"></div>');
   const fails = h('<div></div>');
+  const phase = h('<div class="phase" id="phase" hidden></div>');
+  const config = h('<details id="config"><summary>Resolved config</summary><pre class="mono"></pre></details>');
   app.innerHTML = "<h1>Overview</h1>";
-  app.append(stats, grid, fails);
+  app.append(phase, stats, grid, fails, config);
+  config.addEventListener("toggle", async () => {
+    if (config.open && !config.dataset.loaded) {
+      config.querySelector("pre").textContent = JSON.stringify(await api("/api/config"), null, 2);
+      config.dataset.loaded = "1";
+    }
+  });
+  live(() => phaseBanner(phase));
   live(async () => {
     const d = await api("/api/overview");
     const r = d.run, last = r.last || {};
