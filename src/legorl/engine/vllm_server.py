@@ -11,6 +11,7 @@ is refused with the reason (`refusals`). The server runs with the Python of vLLM
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -211,8 +212,19 @@ class VLLMServer:
         self.proc.wait()
 
 
-def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = None) -> VLLMServer:
-    """Launch a server (not waiting for it); raises VLLMServerError when ``cfg`` is refused or no vLLM."""
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls into it
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies, even by SIGKILL (Linux prctl)."""
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = None,
+          die_with_parent: bool = False) -> VLLMServer:
+    """Launch a server (not waiting for it); raises VLLMServerError when ``cfg`` is refused or no vLLM.
+    ``die_with_parent``: the server ends with the process that started it (a training run killed with -9
+    must not leave a server holding GBs of memory); call it from the main thread."""
     if why := refusals(cfg):
         raise VLLMServerError("refused: " + "; ".join(why))
     python = python or vllm_python()
@@ -228,6 +240,7 @@ def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = 
         proc = subprocess.Popen(  # its own process group: stop() ends the engine processes too
             command(cfg, python), env=environment(cfg), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - no lock or import in it
         )
     return VLLMServer(cfg, proc, log_path)
 

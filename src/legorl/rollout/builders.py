@@ -70,18 +70,21 @@ def make_proxy(cfg: Config, engine: Engine, tokenizer: Any, on_call: Callable[[L
                  parser=cfg.model.tool_format, reasoning=cfg.model.reasoning)
 
 
-def make_remote_engine(cfg: Config, tokenizer: Any) -> Any:
-    """A vLLM / SGLang client for `engine.urls` (engine.kind vllm or sglang)."""
+def make_remote_engine(cfg: Config, tokenizer: Any, *, urls: list[str] | None = None,
+                       base_model_dir: str | Path | None = None, checkpoint_dir: str | Path | None = None) -> Any:
+    """A vLLM / SGLang client for `engine.urls` (engine.kind vllm or sglang), or for `urls` (a server the
+    driver started: engine.serve), whose model and weight checkpoints lie where given."""
     from legorl.engine.remote import SGLangEngine, VLLMEngine
 
     e = cfg.engine
-    if not e.urls:
+    urls = urls or e.urls
+    if not urls:
         raise ValueError(f"engine.kind is {e.kind} but engine.urls is empty: give one URL per server")
-    common: dict[str, Any] = {"checkpoint_dir": e.checkpoint_dir, "base_model_dir": cfg.model.path,
-                              "vocab_size": len(tokenizer)}
+    common: dict[str, Any] = {"checkpoint_dir": checkpoint_dir or e.checkpoint_dir,
+                              "base_model_dir": base_model_dir or cfg.model.path, "vocab_size": len(tokenizer)}
     if e.kind == "vllm":  # vLLM serves without a tokenizer: the client applies stop strings
-        return VLLMEngine(e.urls, tokenizer=tokenizer, **common)
-    return SGLangEngine(e.urls, **common)
+        return VLLMEngine(urls, tokenizer=tokenizer, **common)
+    return SGLangEngine(urls, **common)
 
 
 @dataclass(frozen=True)
