@@ -13,7 +13,7 @@ import torch
 from helpers import wait_until_async
 from test_engine import greedy, no_stop_engine, prompts, recompute
 
-from legorl.config import ConfigError, load_config
+from legorl.config import load_config
 from legorl.engine import LocalEngine, token_logprobs
 from legorl.models import ModelSpec, build_model
 from legorl.monitor.analytics import overview
@@ -137,11 +137,6 @@ def test_token_versions_survive_the_store(tmp_path) -> None:
     got = store.calls_for("r")
     assert got[0].token_versions == [7, 7, 8] and got[1].token_versions is None
     assert got[0].versions() == [7, 7, 8] and got[1].versions() == [8]
-
-
-def test_async_with_ray_is_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="rollout.mode async runs without Ray"):
-        load_config(None, ["rollout.mode=async", "ray.address=auto"])
 
 
 def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir) -> None:

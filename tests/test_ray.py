@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 
 import pytest
 from helpers import run_processes, surviving_processes, wait_until_async
@@ -129,3 +130,23 @@ def test_a_dead_worker_costs_a_retry_not_the_step(ray_cluster, tmp_path, cache_d
     assert {r.timings.get("ray_worker") for r in done} == {1.0}  # the retry ran on the living worker
     assert store.step_metrics(0)["rollouts/retries"] == 1.0
     assert surviving_processes(run_dir) == []  # the kernel delivers the parent-death signals
+
+
+def test_asynchronous_rl_on_two_workers(ray_cluster, tmp_path, cache_dir):
+    """rollout.mode async with Ray: the next step's groups sample on the workers while the driver trains; the
+    workers' proxies drain only for each reload, and every call keeps the version it was served under."""
+    run_dir = tmp_path / "async"
+    cfg = load_config(None, [f"run.cache_dir={cache_dir}", *TOY, "run.steps=3", "tasks.n_train=4",
+                             "rollout.mode=async", "rollout.max_staleness=1"])
+    summary = asyncio.run(run_job(cfg, run_dir))
+    assert summary["steps"] == 3
+    store = Store(run_dir / "store.sqlite")
+    for step in range(3):
+        m = store.step_metrics(step)
+        assert m["weight_version"] == step + 1 and m["async/dropped"] == 0
+        assert max(int(k.rsplit("/", 1)[1]) for k in m if k.startswith("async/staleness/")) <= 1
+        for r in store.rollouts(step=step, split="train", with_calls=True):  # within the bound, one version a call
+            assert all(step - 1 <= c.weight_version <= step and c.token_versions is None for c in r.calls)
+    trained = [r[0] for r in sqlite3.connect(run_dir / "store.sqlite").execute("SELECT rollout_id FROM trained_samples")]
+    assert len(trained) == len(set(trained))
+    assert run_processes(run_dir) == []

@@ -600,13 +600,6 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _async_without_ray(self) -> Config:
-        if self.rollout.mode == "async" and self.ray.address is not None:
-            raise ValueError("rollout.mode async runs without Ray for now: the rollout workers' engine clients do "
-                             "not yet follow weights updated mid-generation (set ray.address: null, or mode: sync)")
-        return self
-
-    @model_validator(mode="after")
     def _one_harness_with_ray(self) -> Config:
         if self.ray.address is not None and len(self.harness.names) > 1:
             raise ValueError("harness.name: a list of harnesses runs without Ray for now (ray.address: null)")

@@ -432,10 +432,12 @@ class Driver:
         t_train = time.time() - t1
         t2 = time.time()
         state = self.trainer.state_dict_for_engine()
-        if asynchronous:  # the next steps' generations carry on across it, each token stamped with its version
+        if asynchronous and self.cluster is None:
+            # the next steps' generations carry on across it, each token stamped with its version (an engine
+            # that cannot tell which tokens came before a reload drains instead: remote servers)
             version = await self.engine.update_weights(state, in_flight=True)
-        else:
-            async with self.paused():  # no call straddles the update
+        else:  # no call straddles the update; with Ray, the workers' proxies drain for the reload only
+            async with self.paused():
                 version = await self.engine.update_weights(state)
         t_sync = time.time() - t2
         metrics = rollout_metrics(b.rollouts)
