@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import wait_until
 from vllm_real import REQUIRED
 
@@ -58,8 +59,13 @@ def calls_made(run_dir: Path) -> int:
 
 
 def train(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
-            "--run-dir", str(run_dir), f"run.cache_dir={cache_dir}", *TOY, *extra]
+    """configs/smoke.yaml served by vLLM (its engine section is the embedded engine's)."""
+    cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    cfg["engine"] = {}
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return [sys.executable, "-m", "legorl.cli", "train", "--config", str(path), "--run-dir", str(run_dir),
+            f"run.cache_dir={cache_dir}", *TOY, *extra]
 
 
 def test_the_toy_job_served_by_vllm_it_starts_itself(tmp_path, cache_dir) -> None:
