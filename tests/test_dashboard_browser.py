@@ -123,7 +123,7 @@ def test_overview(page: Any, base_url: str) -> None:
     page.goto(base_url + "/")
     page.wait_for_selector("#chart-reward svg")
     for cid in ("reward", "outcomes", "mismatch", "kl", "lengths", "turns", "tokens_per_s", "rollouts_per_min",
-                "time", "train"):
+                "time", "train", "tokens", "is_weights"):
         assert page.locator(f"#chart-{cid}").count() == 1, cid
     assert page.locator("#chart-outcomes rect.bar").count() >= 2  # two RL steps
     assert page.locator("#chart-mismatch path.line").count() >= 1

@@ -471,3 +471,16 @@ def test_rloo_positive_trains_only_successes_of_mixed_groups() -> None:
     assert group_advantages([1.0, 1.0, 0.0], "rloo-positive") == pytest.approx([0.5, 0.5, 0.0])
     assert group_advantages([1.0, 1.0], "rloo-positive") == [0.0, 0.0]
     assert not carries_signal([1.0, 1.0], "rloo-positive") and carries_signal([1.0, 0.0], "rloo-positive")
+
+
+def test_is_weight_quantiles_for_the_dashboard() -> None:
+    from legorl.train.metrics import mismatch_metrics
+
+    w = torch.arange(1, 101, dtype=torch.float32) / 50  # 0.02 ... 2.0
+    m = mismatch_metrics(torch.zeros(100), torch.zeros(100), w)
+    assert m["train/is_weight_max"] == pytest.approx(2.0)
+    assert m["train/is_weight_p50"] == pytest.approx(float(torch.quantile(w.double(), 0.5)))
+    assert m["train/is_weight_p05"] == pytest.approx(float(torch.quantile(w.double(), 0.05)))
+    assert m["train/is_weight_p95"] == pytest.approx(float(torch.quantile(w.double(), 0.95)))
+    empty = mismatch_metrics(torch.zeros(0), torch.zeros(0), torch.zeros(0))
+    assert empty["train/is_weight_p50"] == 1.0

@@ -752,6 +752,11 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     m["rollouts/turns_mean"] = sum(turns) / len(turns) if turns else 0.0
     lens = [len(c.completion_ids) for r in rollouts for c in r.calls]
     m["rollouts/completion_tokens_mean"] = sum(lens) / len(lens) if lens else 0.0
+    # tokens per step (the dashboard's token panel; trained ones: train/loss_tokens)
+    m["tokens/prompt"] = float(sum(len(c.prompt_ids) for r in rollouts for c in r.calls))
+    m["tokens/sampled"] = float(sum(len(c.completion_ids) for r in rollouts for c in r.calls if c.sampled_from_policy))
+    m["tokens/masked"] = float(sum(len(c.completion_ids) for r in rollouts if r.reward is None for c in r.calls
+                                   if c.sampled_from_policy))
     return m
 
 

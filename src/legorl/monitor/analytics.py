@@ -80,7 +80,9 @@ def _eval_series(db: RunDB, xs: list[int], train_pass: list[float | None]) -> di
 OVERVIEW_METRICS = [
     "pass_rate", "reward/mean", "rollouts/turns_mean", "rollouts/count", "rollouts/completion_tokens_mean",
     "time/step_s", "time/rollout_s", "time/wait_s", "time/train_s", "time/sync_s", "time/grading_s",
-    "train/logprob_pearson", "async/dropped",
+    "train/logprob_pearson", "async/dropped", "tokens/prompt", "tokens/sampled", "tokens/masked",
+    "train/loss_tokens", "train/is_weight_p05", "train/is_weight_p50", "train/is_weight_p95", "train/is_weight_max",
+    "train/is_truncated_frac", "train/is_rejected_frac",
     "train/is_ess", "train/mismatch_k3_kl", "train/mismatch_abs_dlogp_mean", "seq/tokens_unmerged", "train/rollouts",
     "behaviour/turns_per_rollout", "train/loss", "train/grad_norm", "train/clip_frac"]
 
@@ -146,6 +148,13 @@ def overview(db: RunDB) -> dict[str, Any]:
                "training": g("time/train_s"), "weight sync": g("time/sync_s"), "other": other}, kind="stacked"),
         chart("train", "Training: loss, grad norm, clip fraction", xs,
               {"loss": g("train/loss"), "grad norm": g("train/grad_norm"), "clip frac": g("train/clip_frac")}),
+        chart("tokens", "Tokens per step: prompt, sampled, trained (in the loss), sampled by masked rollouts", xs,
+              {"prompt": g("tokens/prompt"), "sampled": g("tokens/sampled"), "trained": g("train/loss_tokens"),
+               "masked": g("tokens/masked")}, ymin=0),
+        chart("is_weights", "Importance weights (trainer / sampler): p5, median, p95, max; truncated, clipped share",
+              xs, {"p5": g("train/is_weight_p05"), "median": g("train/is_weight_p50"), "p95": g("train/is_weight_p95"),
+                   "max": g("train/is_weight_max"), "truncated share": g("train/is_truncated_frac"),
+                   "clipped share": g("train/clip_frac")}, ymin=0),
     ]
     if asynchronous:
         charts += _async_charts(steps)

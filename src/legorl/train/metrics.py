@@ -46,6 +46,7 @@ def mismatch_metrics(trainer_logp: Tensor, sampler_logp: Tensor, is_weight: Tens
             "train/mismatch_abs_dlogp_max": 0.0,
             "train/is_weight_mean": 1.0,
             "train/is_ess": 1.0,
+            **{f"train/is_weight_{q}": 1.0 for q in QUANTILES},
         }
     t, s = trainer_logp.double(), sampler_logp.double()
     r = t - s
@@ -57,4 +58,19 @@ def mismatch_metrics(trainer_logp: Tensor, sampler_logp: Tensor, is_weight: Tens
         "train/mismatch_abs_dlogp_max": float(r.abs().max()),
         "train/is_weight_mean": mean(is_weight, 1.0),
         "train/is_ess": effective_sample_size(is_weight),
+        **weight_quantiles(is_weight),
     }
+
+
+QUANTILES = {"p05": 0.05, "p50": 0.5, "p95": 0.95, "max": 1.0}  # the IS weight distribution the dashboard plots
+
+
+def weight_quantiles(w: Tensor) -> dict[str, float]:
+    """`train/is_weight_p05` ... `_max`: where the bulk of the IS weights lies, and the largest."""
+    if w.numel() == 0:
+        return {f"train/is_weight_{q}": 1.0 for q in QUANTILES}
+    sample = w.double().flatten()
+    if sample.numel() > 1 << 20:  # torch.quantile's input limit is far above; a million is plenty
+        sample = sample[torch.randperm(sample.numel(), generator=torch.Generator().manual_seed(0))[: 1 << 20]]
+    qs = torch.quantile(sample, torch.tensor(list(QUANTILES.values()), dtype=torch.float64))
+    return {f"train/is_weight_{q}": float(v) for q, v in zip(QUANTILES, qs, strict=True)}
