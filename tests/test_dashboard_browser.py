@@ -78,18 +78,35 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-@pytest.fixture(scope="module")
-def base_url(real_run: Path) -> Iterator[str]:
+def _served(run: Path, *compare_with: Path) -> Iterator[str]:
     from legorl.monitor.server import serve_dashboard
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(real_run), loop).result(60)
+    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(run, compare_with=compare_with), loop).result(60)
     yield url.rstrip("/")
     asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def base_url(real_run: Path) -> Iterator[str]:
+    yield from _served(real_run)
+
+
+@pytest.fixture(scope="module")
+def compare_url(real_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real run beside a copy of it whose config says otherwise (the same run name, another directory)."""
+    import json
+
+    other = tmp_path_factory.mktemp("compare") / "other"
+    shutil.copytree(real_run, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rollout"]["mode"], cfg["trainer"]["lr"] = "async", 0.5
+    (other / "config.json").write_text(json.dumps(cfg))
+    yield from _served(real_run, other)
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +263,19 @@ def test_alarms_page(page: Any, base_url: str) -> None:
     assert "kl_rise_factor" in page.locator("#thresholds").inner_text()
     assert page.locator("#active .card").count() >= 1
     shot(page, "alarms")
+
+
+def test_compare_page(page: Any, compare_url: str) -> None:
+    page.goto(compare_url + "/")
+    assert page.locator('nav a[data-nav="compare"]').count() == 1  # shown only when runs are compared
+    page.click('nav a[data-nav="compare"]')
+    page.wait_for_selector("#chart-reward svg")
+    labels = page.locator("#compare-runs tr td:first-child").all_inner_texts()
+    assert labels == ["smoke", "smoke (other)"]  # the same run name, told apart by directory
+    for cid in ("reward", "heldout", "pearson", "k3", "turns", "verify", "step_time"):
+        assert page.locator(f"#chart-{cid}").count() == 1, cid
+    assert page.locator("#chart-reward path.line").count() == 2  # one curve per run, same axes
+    diff = page.locator("#config-diff").inner_text()
+    assert "rollout.mode" in diff and "async" in diff and "trainer.lr" in diff
+    assert "run.seed" not in diff  # only what differs
+    shot(page, "compare")

@@ -9,14 +9,17 @@ import typer
 
 
 def dashboard_command(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory written by `legorl train` (live or finished)")],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        help="run directories written by `legorl train` (live or finished); with several, the first one's pages "
+             "and a Compare page of all of them", metavar="RUN_DIR...")],
     port: Annotated[int, typer.Option("--port", "-p", help="TCP port; 0 picks a free one")] = 8765,
     host: Annotated[str, typer.Option("--host", help="bind address; anything but loopback needs --token")]
     = "127.0.0.1",
     token: Annotated[str | None, typer.Option("--token", help="required on every request (?token=, then a cookie)",
                                               envvar="LEGORL_DASHBOARD_TOKEN")] = None,
 ) -> None:
-    """Serve the monitoring dashboard of a run: curves, rollouts, trajectories, failures, behaviour, alarms."""
+    """Serve the monitoring dashboard of a run: curves, rollouts, trajectories, failures, behaviour, alarms;
+    given several runs, also their comparison."""
     import asyncio
 
     from rich.console import Console
@@ -27,8 +30,10 @@ def dashboard_command(
     console = Console(stderr=True)
 
     async def main() -> None:
-        url, stop = await serve_dashboard(run_dir, host=host, port=port, token=token)
-        console.print(f"dashboard of {run_dir.resolve()}: [bold]{url}[/] (Ctrl-C stops)")
+        url, stop = await serve_dashboard(run_dirs[0], host=host, port=port, token=token, compare_with=run_dirs[1:])
+        shown = ", ".join(str(d.resolve()) for d in run_dirs)
+        also = " (the runs side by side: its Compare page, /compare)" if len(run_dirs) > 1 else ""
+        console.print(f"dashboard of {shown}: [bold]{url}[/]{also} (Ctrl-C stops)")
         try:
             await asyncio.Event().wait()
         finally:

@@ -23,7 +23,7 @@ import json
 import math
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +34,7 @@ from fastapi.staticfiles import StaticFiles
 
 from legorl.monitor import analytics
 from legorl.monitor.config import AlarmConfig
+from legorl.monitor.compare import compare
 from legorl.monitor.db import RolloutFilter, RunDB
 from legorl.monitor.progress import estimate, read_progress
 from legorl.monitor.trajectory import TokenDecoder, trajectory
@@ -81,10 +82,11 @@ def alarm_config_for(run_dir: Path) -> AlarmConfig:
         return AlarmConfig()
 
 
-def _page(page: str, title: str, run_name: str, data: dict[str, str] | None = None) -> HTMLResponse:
+def _page(page: str, title: str, run_name: str, data: dict[str, str] | None = None,
+          pages: list[tuple[str, str, str]] = PAGES) -> HTMLResponse:
     nav = "".join(f'<a href="{href}" class="{"active" if key == page else ""}" data-nav="{key}">{label}'
                   + ('<span id="alarm-count" class="badge" hidden></span>' if key == "alarms" else "") + "</a>"
-                  for key, href, label in PAGES)
+                  for key, href, label in pages)
     attrs = " ".join(f'data-{k}="{html.escape(v, quote=True)}"' for k, v in (data or {}).items())
     body = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
@@ -132,10 +134,14 @@ def _num(v: str | None, kind: type = int) -> Any:
         raise HTTPException(400, f"not a number: {v!r}") from None
 
 
-def create_app(run_dir: str | Path, token: str | None = None, alarm_config: AlarmConfig | None = None) -> FastAPI:
-    """The dashboard for one run directory (its store may still be being written)."""
+def create_app(run_dir: str | Path, token: str | None = None, alarm_config: AlarmConfig | None = None,
+               compare_with: Sequence[str | Path] = ()) -> FastAPI:
+    """The dashboard for one run directory (its store may still be being written); with `compare_with`, a
+    Compare page shows it beside those runs."""
     run_dir = Path(run_dir).resolve()
     db = RunDB(run_dir)
+    others = [RunDB(Path(d).resolve()) for d in compare_with]
+    pages = PAGES + ([("compare", "/compare", "Compare")] if others else [])
     decoder = TokenDecoder(run_dir / "tokenizer")
     cache = analytics.BehaviourCache(db)
     board = analytics.AlarmBoard(db, cache, alarm_config or alarm_config_for(run_dir))
@@ -169,17 +175,17 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
 
     def page_shell(key: str, label: str) -> Callable[[], HTMLResponse]:
         def shell() -> HTMLResponse:
-            return _page(key, label, run_name)
+            return _page(key, label, run_name, pages=pages)
 
         shell.__name__ = f"{key}_page"
         return shell
 
-    for key, href, label in PAGES:  # the pages of the navigation bar
+    for key, href, label in pages:  # the pages of the navigation bar
         app.get(href, response_class=HTMLResponse)(page_shell(key, label))
 
     @app.get("/rollout/{rollout_id}", response_class=HTMLResponse)
     def rollout_page(rollout_id: str) -> HTMLResponse:
-        return _page("trajectory", rollout_id, run_name, {"rollout": rollout_id})
+        return _page("trajectory", rollout_id, run_name, {"rollout": rollout_id}, pages=pages)
 
     # ---- JSON API (sync handlers: FastAPI runs them in worker threads, off the event loop) -------------
     @app.get("/api/health")
@@ -203,6 +209,12 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
         if not path.is_file():
             raise HTTPException(404, "this run has no config.json")
         return _json(path.read_bytes())
+
+    @app.get("/api/compare")
+    def api_compare() -> Response:
+        """This run beside the ones given with it: curves on the same axes, config differences, per harness."""
+        key = ("compare", *(d.version() for d in others))
+        return _json(db.cached(key, lambda: json_bytes(compare([db, *others]))))
 
     @app.get("/api/rollouts")
     def api_rollouts(step: str | None = None, step_min: str | None = None, step_max: str | None = None,
@@ -258,7 +270,8 @@ class _QuietServer:
 
 
 async def serve_dashboard(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                          alarm_config: AlarmConfig | None = None) -> tuple[str, Callable[[], Awaitable[None]]]:
+                          alarm_config: AlarmConfig | None = None, compare_with: Sequence[str | Path] = ()
+                          ) -> tuple[str, Callable[[], Awaitable[None]]]:
     """Serve the dashboard on the running event loop. Returns (url, stop); `await stop()` shuts it down.
 
     Binding a non-loopback host without a token raises DashboardConfigError. The URL carries the token.
@@ -266,7 +279,7 @@ async def serve_dashboard(run_dir: str | Path, host: str = "127.0.0.1", port: in
     import uvicorn
 
     check_bind(host, token)
-    app = create_app(run_dir, token=token, alarm_config=alarm_config)
+    app = create_app(run_dir, token=token, alarm_config=alarm_config, compare_with=compare_with)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

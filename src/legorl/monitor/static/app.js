@@ -287,4 +287,26 @@ async function alarms() {
   }, 10000);
 }
 
-({overview, rollouts, trajectory: trajectoryPage, failures, behaviour, alarms})[page]?.();
+// ---- compare runs (legorl dashboard RUN_A RUN_B ...) ------------------------------------------------------
+async function comparePage() {
+  const runs = h('<div></div>'), grid = h('<div class="grid-charts"></div>'), diff = h('<div></div>'), per = h('<div></div>');
+  app.innerHTML = "<h1>Compare runs</h1>";
+  app.append(runs, grid, diff, per);
+  const val = v => v === null || v === undefined ? '<span class="muted">–</span>' : esc(typeof v === "object" ? JSON.stringify(v) : String(v));
+  live(async () => {
+    const d = await api("/api/compare");
+    runs.innerHTML = `<table id="compare-runs"><tr><th>run</th><th>directory</th><th>steps</th><th>wall time</th></tr>` +
+      d.runs.map(r => `<tr><td>${esc(r.label)}</td><td class="mono">${esc(r.dir)}</td><td class="num">${r.steps}</td><td class="num">${r.wall_time_s ? duration(r.wall_time_s) : "–"}</td></tr>`).join("") + "</table>";
+    chartsGrid(d.charts, grid);
+    const head = d.runs.map(r => `<th>${esc(r.label)}</th>`).join("");
+    diff.innerHTML = `<h2>Config differences</h2>` + (d.config_differences.length
+      ? `<table id="config-diff"><tr><th>key</th>${head}</tr>` + d.config_differences.map(c => `<tr><td class="mono">${esc(c.key)}</td>${c.values.map(v => `<td class="mono">${val(v)}</td>`).join("")}</tr>`).join("") + "</table>"
+      : `<p class="muted">the runs' configs are the same</p>`);
+    per.innerHTML = `<h2>Held-out pass@1 per harness, before and after RL</h2>` + (d.per_harness.length
+      ? `<table id="per-harness"><tr><th>run</th><th>harness</th><th>before RL</th><th>after RL</th><th>change (points)</th></tr>` +
+        d.per_harness.map(r => `<tr><td>${esc(r.run)}</td><td>${esc(r.harness)}</td><td class="num">${pct(r.before)}</td><td class="num">${pct(r.after)}</td><td class="num">${r.before !== null && r.after !== null && r.before !== undefined && r.after !== undefined ? (100 * (r.after - r.before)).toFixed(1) : "–"}</td></tr>`).join("") + "</table>"
+      : `<p class="muted">no run has finished its evaluations yet</p>`);
+  });
+}
+
+({overview, rollouts, trajectory: trajectoryPage, failures, behaviour, alarms, compare: comparePage})[page]?.();
