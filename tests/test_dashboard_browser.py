@@ -279,3 +279,18 @@ def test_compare_page(page: Any, compare_url: str) -> None:
     assert "rollout.mode" in diff and "async" in diff and "trainer.lr" in diff
     assert "run.seed" not in diff  # only what differs
     shot(page, "compare")
+
+
+def test_task_grid(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/tasks")
+    page.wait_for_selector("#task-grid")
+    assert page.locator("#task-grid tr.family").count() >= 1  # grouped by task family
+    cells = page.locator("#task-grid td.cell")
+    assert cells.count() == 4  # 2 steps x 2 tasks, a cell holding its task's group of 2 rollouts
+    assert "resolved" in cells.first.get_attribute("title")
+    shot(page, "tasks")
+    page.select_option("#grid-form select", "demo")
+    page.wait_for_selector("#task-grid td.cell.solved")  # the teacher's demonstrations resolved
+    page.locator("#task-grid td.cell a").first.click()
+    page.wait_for_selector(".trajectory, #trajectory, .call", timeout=30_000)
+    assert "/rollout/" in page.url

@@ -270,3 +270,11 @@ def test_the_time_left_is_estimated_from_measured_phase_times() -> None:
                  steps_done=10, now=1030.0)
     assert p["time_left_s"] == 90.0
     assert estimate({**base, "phase": "done", "phase_times_s": {}}, steps_done=10)["time_left_s"] is None
+
+
+def test_task_families_from_ids() -> None:
+    from legorl.monitor.tasks_grid import family_of
+
+    assert family_of("builtin-wrong_return-3b1a418b43") == "wrong_return"
+    assert family_of("astropy__astropy-12907") == "astropy__astropy"
+    assert family_of("pkg-attrs-evolve") == "pkg-attrs"

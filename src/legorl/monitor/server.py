@@ -37,11 +37,13 @@ from legorl.monitor.config import AlarmConfig
 from legorl.monitor.compare import compare
 from legorl.monitor.db import RolloutFilter, RunDB
 from legorl.monitor.progress import estimate, read_progress
+from legorl.monitor.tasks_grid import task_grid
 from legorl.monitor.trajectory import TokenDecoder, trajectory
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "legorl_dashboard_token"
-PAGES = [("overview", "/", "Overview"), ("rollouts", "/rollouts", "Rollouts"), ("failures", "/failures", "Failures"),
+PAGES = [("overview", "/", "Overview"), ("rollouts", "/rollouts", "Rollouts"), ("tasks", "/tasks", "Tasks"),
+         ("failures", "/failures", "Failures"),
          ("behaviour", "/behaviour", "Behaviour"), ("alarms", "/alarms", "Alarms")]
 
 
@@ -209,6 +211,12 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
         if not path.is_file():
             raise HTTPException(404, "this run has no config.json")
         return _json(path.read_bytes())
+
+    @app.get("/api/tasks")
+    def api_tasks(split: str = "train", step_max: str | None = None) -> Response:
+        """The task grid of a split: per task and step, resolved / failed / masked and a rollout to open."""
+        s = _num(step_max)
+        return _json(db.cached(("tasks", split, s), lambda: json_bytes(task_grid(db, split, s))))
 
     @app.get("/api/compare")
     def api_compare() -> Response:

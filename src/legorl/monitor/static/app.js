@@ -287,6 +287,36 @@ async function alarms() {
   }, 10000);
 }
 
+// ---- task grid: one row per task, one column per step or evaluation --------------------------------------
+async function tasksPage() {
+  const q = new URLSearchParams(location.search);
+  let split = q.get("split") || "train";
+  app.innerHTML = `<h1>Tasks</h1><form class="filters" id="grid-form"><label>split<select name="split">
+    <option value="train">train (RL steps)</option><option value="eval-heldout">held-out evaluations</option>
+    <option value="eval-train">train-set evaluations</option><option value="demo">demonstrations</option></select></label></form>
+    <p class="muted">each cell: that task's rollouts at that step; <span class="cell solved">■</span> all resolved,
+    <span class="cell mixed">■</span> some, <span class="cell failed">■</span> none, <span class="cell masked">■</span> masked only;
+    empty: not sampled. Click a cell for one of its trajectories.</p><div id="grid"></div>`;
+  const sel = document.querySelector("#grid-form select");
+  sel.value = split;
+  sel.addEventListener("change", () => { split = sel.value; history.replaceState(null, "", `?split=${split}`); draw(); });
+  const grid = document.getElementById("grid");
+  const kind = c => !c ? "" : c[0] + c[1] === 0 ? "masked" : c[1] === 0 ? "solved" : c[0] === 0 ? "failed" : "mixed";
+  async function draw() {
+    const d = await api(`/api/tasks?split=${encodeURIComponent(split)}`);
+    if (!d.rows.length) { grid.innerHTML = `<p class="muted">no finished rollout in this split yet</p>`; return; }
+    const head = `<tr><th>task</th><th>harness</th><th>solved</th>${d.steps.map(s => `<th class="step">${s}</th>`).join("")}</tr>`;
+    let family = null, body = "";
+    for (const r of d.rows) {
+      if (r.family !== family) { family = r.family; body += `<tr class="family"><td colspan="${3 + d.steps.length}">${esc(family)}</td></tr>`; }
+      body += `<tr><td class="mono">${esc(short(r.task, 48))}</td><td>${esc(r.harness)}</td><td class="num">${r.solved}/${r.sampled}</td>` +
+        r.cells.map((c, i) => c ? `<td class="cell ${kind(c)}" title="step ${d.steps[i]}: ${c[0]} resolved, ${c[1]} failed, ${c[2]} masked"><a href="/rollout/${encodeURIComponent(c[3])}">■</a></td>` : `<td></td>`).join("") + "</tr>";
+    }
+    grid.innerHTML = (d.older_steps ? `<p class="muted">${d.older_steps} older steps not shown</p>` : "") + `<table id="task-grid">${head}${body}</table>`;
+  }
+  live(draw);
+}
+
 // ---- compare runs (legorl dashboard RUN_A RUN_B ...) ------------------------------------------------------
 async function comparePage() {
   const runs = h('<div></div>'), grid = h('<div class="grid-charts"></div>'), diff = h('<div></div>'), per = h('<div></div>');
@@ -309,4 +339,4 @@ async function comparePage() {
   });
 }
 
-({overview, rollouts, trajectory: trajectoryPage, failures, behaviour, alarms, compare: comparePage})[page]?.();
+({overview, rollouts, tasks: tasksPage, trajectory: trajectoryPage, failures, behaviour, alarms, compare: comparePage})[page]?.();
