@@ -271,3 +271,36 @@ def test_patch_paths_and_same_file() -> None:
     assert same_file("/repo/src/x.py", "./src/x.py") and same_file("x.py", "/repo/src/x.py")
     assert not same_file("src/x.py", "src/y.py") and not same_file("a/x.py", "b/x.py")
     assert not classify_tool_call("bash", "{not json").valid
+
+
+def test_reasoning_and_tool_call_shares_of_the_output(tmp_path) -> None:
+    import json
+
+    from legorl.monitor.analytics import evaluation_shares
+    from legorl.monitor.behaviour import output_shares
+    from legorl.monitor.db import RunDB
+    from legorl.records import LLMCall, Rollout, ToolCall
+    from legorl.store import Store
+
+    def call(text: str, tools: bool) -> LLMCall:
+        return LLMCall(rollout_id="r", index=0, wire_format="openai_chat", request={}, prompt_ids=[1],
+                       completion_ids=[2], completion_logprobs=[-0.1], finish_reason="stop", weight_version=0,
+                       completion_text=text, tool_calls=[ToolCall("c", "bash", "{}")] if tools else [])
+
+    r = Rollout(id="r", step=0, task_id="t", group_id="g", sample_index=0, harness="h",
+                calls=[call("<think>abcdef</think>done", True), call("plain text", False)])
+    shares = output_shares([r], ("<think>", "</think>"))
+    assert shares["reasoning_share"] == pytest.approx(6 / (len("<think>abcdef</think>done") + len("plain text")))
+    assert shares["tool_call_share"] == 0.5
+    assert output_shares([r], None)["reasoning_share"] == 0.0
+
+    # per evaluation, from summary.json and the step rows; an evaluation covering under half the cohort is flagged
+    Store(tmp_path / "store.sqlite").add_step(3, {"eval/heldout/pass_at_1": 0.2, "eval/heldout/cohort_coverage": 0.4,
+                                                  "eval/heldout/h/behaviour/reasoning_share": 0.3})
+    before = {"eval/heldout/pass_at_1": 0.1, "eval/heldout/cohort_coverage": 1.0,
+              "eval/heldout/h/behaviour/reasoning_share": 0.1, "eval/heldout/h/behaviour/tool_call_share": 0.9}
+    (tmp_path / "summary.json").write_text(json.dumps({"before_rl": before, "after_rl": before, "steps": 8}))
+    c = evaluation_shares(RunDB(tmp_path))
+    assert c["x"] == [0, 4, 8] and c["flagged"] == [4]
+    series = {s["name"]: s["values"] for s in c["series"]}
+    assert series["reasoning share · h"] == [0.1, 0.3, 0.1] and "under half" in c["title"]

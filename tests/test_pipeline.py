@@ -49,6 +49,11 @@ def test_every_stage_produced_records(toy_run):
     kinds = {k: v for k, v in on_disk["after_rl"].items() if k.startswith("eval/heldout/failures/")}
     assert len(kinds) == 7 and sum(kinds.values()) == pytest.approx(1.0)
     assert kinds["eval/heldout/failures/resolved"] == pytest.approx(on_disk["heldout_pass_at_1_after_rl"])
+    # the output's reasoning share and tool-call share over the held-out cohort, and how much of it was covered
+    after = on_disk["after_rl"]
+    assert after["eval/heldout/mini-swe-agent/behaviour/reasoning_share"] == 0.0  # the tiny model has no markers
+    assert 0 <= after["eval/heldout/mini-swe-agent/behaviour/tool_call_share"] <= 1
+    assert after["eval/heldout/cohort_coverage"] == 1.0
 
     store = Store(run_dir / "store.sqlite")
     splits = {r.split for r in store.rollouts()}

@@ -33,7 +33,9 @@ from legorl.config import Config, ConfigError
 from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.engine.base import Engine
 from legorl.models import ModelSpec, load_or_build, save_model
+from legorl.models.chat_format import chat_format
 from legorl.monitor.alarms import AlarmMonitor
+from legorl.monitor.behaviour import output_shares
 from legorl.monitor.behaviour import step_metrics as behaviour_metrics
 from legorl.monitor.failures import failure_kind, failure_shares
 from legorl.monitor.loggers import make_loggers
@@ -572,10 +574,15 @@ class Driver:
         by_id = {t.instance_id: t for t in tasks}
         kind = {r.id: failure_kind(r, by_id.get(r.task_id)) for r in rollouts}  # each rollout analysed once
         m = eval_metrics(rollouts, k, prefix=f"eval/{split}/") | failure_shares(kind.values(), f"eval/{split}/")
+        reasoning = chat_format(self.tokenizer).with_reasoning(self.cfg.model.reasoning).reasoning
         for name, rs in by_harness.items():
             m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
             m.update(failure_shares((kind[r.id] for r in rs), f"eval/{split}/{name}/"))
             m.update({f"eval/{split}/{name}/{key}": v for key, v in behaviour_metrics(rs).items()})
+            m.update({f"eval/{split}/{name}/behaviour/{key}": v for key, v in output_shares(rs, reasoning).items()})
+        # the fixed cohort (this split's tasks): how much of it the evaluation covered with a graded rollout
+        graded = {r.task_id for r in rollouts if r.reward is not None}
+        m[f"eval/{split}/cohort_coverage"] = len(graded & set(by_id)) / len(by_id) if by_id else 0.0
         for key in ("pass_at_1", f"pass_at_{k}"):  # each harness weighs the same
             m[f"eval/{split}/{key}"] = sum(m[f"eval/{split}/{name}/{key}"] for name in names) / len(names)
         return m

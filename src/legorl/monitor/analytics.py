@@ -6,6 +6,7 @@ the front end draws any spec, so every curve is defined here, once.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -254,6 +255,40 @@ class BehaviourCache:
         return {s: m for s, m in out.items() if m}
 
 
+def evaluations(db: RunDB, split: str = "heldout") -> list[tuple[int, dict[str, float]]]:
+    """(RL updates done, metrics) of each evaluation of `split`: before RL and after it from summary.json, the
+    ones between steps (`eval.every`) from the step rows."""
+    try:
+        summary = json.loads((db.run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    key = f"eval/{split}/pass_at_1"
+    out = [(0, summary["before_rl"])] if key in summary.get("before_rl", {}) else []
+    out += [(s + 1, m) for s, _, m in db.steps() if key in m]
+    if key in summary.get("after_rl", {}):
+        out.append((int(summary.get("steps") or (out[-1][0] if out else 0)), summary["after_rl"]))
+    return sorted(dict(out).items())
+
+
+def evaluation_shares(db: RunDB, split: str = "heldout") -> dict[str, Any]:
+    """Reasoning share and tool-call share per evaluation over the split's fixed task cohort, per harness; an
+    evaluation that covered under half of the cohort with graded rollouts is flagged."""
+    evs = evaluations(db, split)
+    xs = [x for x, _ in evs]
+    names = sorted({k.split("/")[2] for _, m in evs for k in m if k.endswith("/behaviour/reasoning_share")})
+    series: dict[str, list[float | None]] = {}
+    for h in names:
+        series[f"reasoning share · {h}"] = [m.get(f"eval/{split}/{h}/behaviour/reasoning_share") for _, m in evs]
+        series[f"tool-call share · {h}"] = [m.get(f"eval/{split}/{h}/behaviour/tool_call_share") for _, m in evs]
+    coverage = [m.get(f"eval/{split}/cohort_coverage") for _, m in evs]
+    series["cohort covered"] = coverage
+    flagged = [x for x, c in zip(xs, coverage, strict=True) if c is not None and c < 0.5]
+    title = f"Per {split} evaluation (x: RL updates done): reasoning share of the output, share of calls with a tool call"
+    if flagged:
+        title += f"; covered under half of the cohort at {', '.join(map(str, flagged))}: read those with care"
+    return chart("b_eval_shares", title, xs, series, ymin=0, ymax=1) | {"flagged": flagged}
+
+
 def behaviour(cache: BehaviourCache) -> dict[str, Any]:
     per = cache.per_step()
     xs = sorted(per)
@@ -281,6 +316,7 @@ def behaviour(cache: BehaviourCache) -> dict[str, Any]:
         chart("b_submit", "Submit rate (rollouts that submitted / ended on their own)", xs,
               {"submitted": g("submit_rate")}, ymin=0, ymax=1),
         chart("b_mix", "Command mix (share of tool calls)", xs, mix, kind="stacked", ymax=1),
+        evaluation_shares(cache.db),
     ]
     sampled = sum(int(m.get("behaviour/sampled_rollouts", m.get("behaviour/rollouts", 0))) for m in ms)
     return {"charts": charts, "steps": len(xs), "rollouts_analysed": sampled, "harnesses": harnesses,

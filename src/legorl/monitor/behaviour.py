@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from legorl.harness.mini_swe_agent import TEXT_ACTION_REGEX
 from legorl.monitor.commands import KINDS, Action, Classified, classify_tool_call, same_file
 from legorl.monitor.messages import Message, conversation_items, declares_tools, new_messages
+from legorl.proxy.reasoning import split_reasoning
 from legorl.records import ABANDONED, LLMCall, Rollout, ToolCall
 
 # What harnesses say back when a turn was malformed (mini-swe-agent, SWE-agent, OpenHands, Codex, ...).
@@ -174,3 +175,21 @@ def aggregate(behaviours: Iterable[RolloutBehaviour], prefix: str = "behaviour/"
 def step_metrics(rollouts: Iterable[Rollout]) -> dict[str, float]:
     """`behaviour/*` metrics of a step's rollouts (their .calls must be loaded)."""
     return aggregate(analyse_rollout(r) for r in rollouts if r.calls)
+
+
+def output_shares(rollouts: Iterable[Rollout], reasoning: tuple[str, str] | None) -> dict[str, float]:
+    """Of the agent's own sampled output (main session): `reasoning_share`, the share of its characters inside
+    reasoning blocks (`reasoning`: the chat format's markers; None: the model has none, share 0), and
+    `tool_call_share`, the share of its calls that made a tool call. Behaviour shifts show here first: reasoning
+    can double while the solve rate barely moves."""
+    text = thought = calls = with_tools = 0
+    for r in rollouts:
+        for c in r.calls:
+            if c.finish_reason == ABANDONED:
+                continue
+            calls += 1
+            with_tools += bool(c.tool_calls)
+            text += len(c.completion_text)
+            split = split_reasoning(c.completion_text, reasoning)
+            thought += len(split.reasoning or "")
+    return {"reasoning_share": thought / text if text else 0.0, "tool_call_share": with_tools / calls if calls else 0.0}

@@ -253,7 +253,9 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
 
     @app.get("/api/behaviour")
     def api_behaviour() -> Response:
-        return _json(db.cached(("behaviour",), lambda: json_bytes(analytics.behaviour(cache))))
+        summary = run_dir / "summary.json"  # the evaluations before and after RL are read from it
+        stamp = summary.stat().st_mtime_ns if summary.exists() else 0
+        return _json(db.cached(("behaviour", stamp), lambda: json_bytes(analytics.behaviour(cache))))
 
     @app.get("/api/alarms")
     def api_alarms() -> Response:
