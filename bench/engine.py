@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from legorl.engine import LocalEngine
-from legorl.models import ModelSpec, build_model, build_tokenizer, save_model
+from legorl.models import ModelSpec, build_model, build_tokenizer, load_model, save_model
 from legorl.records import SamplingParams
 
 
@@ -299,16 +299,28 @@ def main() -> None:
     )
     ap.add_argument("--vllm-compile", action="store_true", help="vLLM without --enforce-eager (slow start)")
     ap.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md (## Engine)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (e.g. ~/.cache/legorl/models/smollm2-135m-instruct) instead of the tiny "
+                         "Qwen3; not with --write (the section reports the tiny model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    spec = ModelSpec(max_position_embeddings=4096)
-    with tempfile.TemporaryDirectory() as d:
-        tok = build_tokenizer(Path(d))
-    model = build_model(spec, tok)
+    if args.model is not None:
+        if args.write:
+            raise SystemExit("--write reports the tiny model: leave it out with --model")
+        model, tok = load_model(args.model.expanduser())
+        name = f"{args.model.name} ({type(model).__name__}, "
+    else:
+        spec = ModelSpec(max_position_embeddings=4096)
+        with tempfile.TemporaryDirectory() as d:
+            tok = build_tokenizer(Path(d))
+        model = build_model(spec, tok)
+        name = "tiny Qwen3 ("
+    model.eval()
+    cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     load_before = os.getloadavg()
     print(
-        f"model: tiny Qwen3 {params / 1e6:.1f} M params (hidden {spec.hidden_size}, {spec.num_layers} layers, "
+        f"model: {name}{params / 1e6:.1f} M params, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
         f"vocab {len(tok)}); {args.sessions} sessions x {args.turns} turns, first prompt {args.prompt_tokens} "
         f"tokens, +{args.turn_tokens} per turn, {args.max_tokens} sampled per turn; torch threads {args.threads}",
         flush=True,
@@ -360,7 +372,7 @@ def main() -> None:
                 "docs/experiments.md (engine, 2026-12-02 and 2026-12-03)."
             ),
             (
-                f"- Workload: tiny Qwen3 ({params / 1e6:.1f} M params, hidden {spec.hidden_size}, {spec.num_layers} layers, "
+                f"- Workload: {name}{params / 1e6:.1f} M params, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
                 f"fp32, CPU), {args.sessions} concurrent sessions x {args.turns} turns, first prompt {args.prompt_tokens} "
                 f"tokens, +{args.turn_tokens} new tokens per turn, {args.max_tokens} sampled tokens per turn (temperature "
                 f"1, no stop); the peer runs {args.peer_sessions} of the sessions one call at a time (its rate does not "
