@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from legorl.models import load_model
 from legorl.records import TrainingSequence
 from legorl.train.prefix import PrefixGroup, shared_logprobs
 from legorl.train.trainer import Trainer
@@ -70,12 +71,13 @@ def matmul_flops(model: torch.nn.Module) -> int:
 def train_flops(model: transformers.PreTrainedModel, n_seqs: int, seq_len: int) -> float:
     cfg = model.config
     tokens = n_seqs * seq_len
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len / 2  # causal
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len / 2  # causal
     return tokens * (6 * matmul_flops(model) + attn)
 
 
-def matmul_ceiling(n: int = 1024, reps: int = 20) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_ceiling(n: int = 1024, reps: int = 20, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
         a @ b
     t = time.perf_counter()
@@ -119,7 +121,8 @@ Step = Callable[[list[TrainingSequence]], None]
 
 
 def legorl_step(
-    model: torch.nn.Module, tokens_per_batch: int, shared_prefix: bool = True, fast_forward: bool = True
+    model: torch.nn.Module, tokens_per_batch: int, shared_prefix: bool = True, fast_forward: bool = True,
+    autocast: str | None = None,
 ) -> Step:
     tr = Trainer(
         model,
@@ -127,6 +130,7 @@ def legorl_step(
         micro_batch_tokens=tokens_per_batch,
         shared_prefix=shared_prefix,
         fast_forward=fast_forward,
+        autocast=autocast,
     )
 
     def step(seqs: list[TrainingSequence]) -> None:
@@ -197,7 +201,8 @@ def timed(step: Step, seqs: list[TrainingSequence]) -> float:
     return time.perf_counter() - t
 
 
-def run_alternating(steps: dict[str, Step | str], batches: list, warmup: int) -> tuple[dict, list[float]]:
+def run_alternating(steps: dict[str, Step | str], batches: list, warmup: int,
+                    dtype: torch.dtype = torch.float32) -> tuple[dict, list[float]]:
     """Seconds per trainer over the timed batches; steps and matmul probes alternate, so a load change
     on this shared machine hits every figure alike. A str step is a reason it was skipped."""
     spent = {name: 0.0 for name in steps}
@@ -206,8 +211,28 @@ def run_alternating(steps: dict[str, Step | str], batches: list, warmup: int) ->
         for name, step in steps.items():
             dt = timed(step, b) if not isinstance(step, str) else 0.0
             spent[name] += dt if i >= warmup else 0.0
-        ceilings.append(matmul_ceiling(reps=5))
+        ceilings.append(matmul_ceiling(reps=5, dtype=dtype))
     return spent, ceilings
+
+
+def bf16_pearson(model: torch.nn.Module, batches: list[list[TrainingSequence]]) -> tuple[float, float]:
+    """The fp32 sampler's logprobs (the batches') against the trainer's under bf16 autocast: Pearson of the
+    probabilities and the mean |dlogp| over the loss tokens."""
+    from legorl.train.metrics import pearson
+
+    got, want = [], []
+    for seqs in batches[:2]:
+        ids = torch.tensor([s.token_ids for s in seqs])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        for i, s in enumerate(seqs):
+            for t, m in enumerate(s.loss_mask[1:], start=1):
+                if m:
+                    got.append(float(lp[i, t - 1]))
+                    want.append(s.rollout_logprobs[t])
+    a, b = torch.tensor(got), torch.tensor(want)
+    return pearson(a.exp(), b.exp()), float((a - b).abs().mean())
 
 
 def main() -> None:
@@ -227,14 +252,22 @@ def main() -> None:
         help="also time legorl with the model's own forward (fast_forward=False), in the same run",
     )
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "legorl"))
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (e.g. ~/.cache/legorl/models/smollm2-135m-instruct) instead of a built Qwen3")
+    ap.add_argument("--autocast", choices=["bf16"], default=None,
+                    help="also time legorl under bf16 autocast (ceiling: a bf16 matmul) and report its logprobs' "
+                         "Pearson against the fp32 sampler's")
     args = ap.parse_args()
 
     seq_len = args.prompt + args.completion
 
-    def model() -> transformers.Qwen3ForCausalLM:
+    def model() -> transformers.PreTrainedModel:
+        if args.model is not None:
+            return load_model(args.model.expanduser())[0].train()
         return build(args.vocab, args.hidden, args.layers, seq_len)
 
     base = model()
+    args.vocab = int(base.config.vocab_size)
     batches = make_batches(
         base,
         args.steps + args.warmup,
@@ -258,10 +291,14 @@ def main() -> None:
         steps["legorl, model's own forward"] = legorl_step(
             model(), tokens_per_batch, shared_prefix=args.shared_prefix, fast_forward=False
         )
+    if args.autocast:
+        steps[f"legorl, {args.autocast} autocast"] = legorl_step(model(), tokens_per_batch,
+                                                                 shared_prefix=args.shared_prefix, autocast=args.autocast)
     steps["TRL GRPOTrainer (loss+step)"] = trl_step(
         model(), args.batch, args.prompt, args.completion, Path(args.cache_dir), tmp.name
     )
     spent, ceilings = run_alternating(steps, batches, args.warmup)
+    bf16_ceiling = max(matmul_ceiling(reps=5, dtype=torch.bfloat16) for _ in range(3)) if args.autocast else None
     tmp.cleanup()
     ceiling = max(ceilings)
     tps = {
@@ -272,8 +309,10 @@ def main() -> None:
     def achieved(tps: float) -> float:
         return tps / tokens_per_batch * flops_per_batch
 
+    shape = (f"{args.model.name} ({type(base).__name__})" if args.model is not None
+             else f"Qwen3 hidden {args.hidden}, {args.layers} layers")
     print(
-        f"model: Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} "
+        f"model: {shape}, vocab {args.vocab} "
         f"({matmul_flops(base) / 1e6:.2f}M matmul params); batch {args.batch} x ({args.prompt} prompt + "
         f"{args.completion} completion) tokens{', one shared prompt per batch' if args.shared_prefix else ''}, "
         f"{args.steps} timed steps, fp32, {torch.get_num_threads()} threads, "
@@ -287,7 +326,12 @@ def main() -> None:
         if isinstance(v, str):
             print(f"{name:<28} {v}")
         else:
-            print(f"{name:<28} {v:>10.0f} {achieved(v) / 1e9:>9.2f} {achieved(v) / ceiling:>11.1%}")
+            peak = bf16_ceiling if "autocast" in name and bf16_ceiling else ceiling
+            print(f"{name:<28} {v:>10.0f} {achieved(v) / 1e9:>9.2f} {achieved(v) / peak:>11.1%}")
+    if bf16_ceiling:
+        r, d = bf16_pearson(base, batches)
+        print(f"\nbf16 matmul ceiling: {bf16_ceiling / 1e9:.1f} GFLOP/s (the autocast row's 'of ceiling')")
+        print(f"trainer under bf16 autocast vs the fp32 sampler: Pearson {r:.5f}, mean |dlogp| {d:.4f}")
     print()
     names = list(tps)
     for other in names[1:]:
