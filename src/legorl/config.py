@@ -90,6 +90,9 @@ class EngineConfig(_Section):
         remote = self.kind in ("vllm", "sglang")
         if self.serve and self.kind != "vllm":
             raise ValueError(f"engine.serve starts a vLLM server: it needs engine.kind vllm, not {self.kind}")
+        for key in _changed(self, "serve_device", "serve_eager") if not self.serve else []:
+            raise ValueError(f"engine.{key} configures the vLLM server a run starts itself: set engine.serve: true "
+                             "(with engine.kind vllm), or drop the key")
         if self.serve and self.urls:
             raise ValueError("engine.serve starts the run's own vLLM server: leave engine.urls empty (or drop "
                              "engine.serve to use the servers at engine.urls)")
