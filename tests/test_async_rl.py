@@ -20,6 +20,7 @@ from legorl.monitor.analytics import overview
 from legorl.monitor.db import RunDB
 from legorl.pipeline import run_job, staleness_filter
 from legorl.records import LLMCall, Outcome, Rollout
+from legorl.rollout.outcomes import capture_problem
 from legorl.store import Store
 from legorl.train.losses import is_correction
 from legorl.train.sequences import build_sequences
@@ -129,6 +130,14 @@ def test_the_staleness_filter_drops_by_the_oldest_token_and_counts_per_family() 
     assert m["async/dropped_share/x"] == 0 and m["async/dropped_share/y"] == 0.5
 
 
+def test_a_rollout_may_span_versions_only_when_asynchronous_and_only_forward() -> None:
+    forward = _rollout("r", "t", [[4, 4, 5], [5, 6]]).calls
+    assert "span weight versions [4, 5, 6]" in capture_problem(forward, 2)  # synchronous: one version
+    assert capture_problem(forward, 2, one_version=False) == ""
+    backward = _rollout("r", "t", [[5, 5], [4]]).calls
+    assert "go back" in capture_problem(backward, 2, one_version=False)
+
+
 def test_token_versions_survive_the_store(tmp_path) -> None:
     store = Store(tmp_path / "s.sqlite")
     r = _rollout("r", "t", [[7, 7, 8], [8]])
@@ -166,6 +175,8 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     ids = [r[0] for r in con.execute("SELECT rollout_id FROM trained_samples")]
     assert len(ids) == len(set(ids))
     assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome IS NULL").fetchone()[0] == 0
+    # a rollout an update reached mid-way is a whole capture, not masked (its versions only move forward)
+    assert con.execute("SELECT COUNT(*) FROM rollouts WHERE outcome = 'invalid_capture'").fetchone()[0] == 0
     assert "eval/heldout/pass_at_1" in metrics[1]  # the evaluation between steps ran beside the next batch
 
     # the dashboard's overview: staleness per step, dropped shares per family, the trainer's wait in the time split

@@ -130,4 +130,4 @@ def make_context(cfg: Config, *, proxy: Proxy, engine: Engine, harness: Harness 
                           grading_timeout=r.grading_timeout, policies=resolve_policies(r.policies),
                           faults=cfg.faults, limits=SandboxLimits.from_dict(cfg.sandbox.limits),
                           sandbox_uid=cfg.sandbox.uid, relay_port=cfg.sandbox.relay_port,
-                          require_submit=r.require_submit, sandbox=cfg.sandbox)
+                          require_submit=r.require_submit, sandbox=cfg.sandbox, one_version=r.mode == "sync")

@@ -80,6 +80,7 @@ class EpisodeContext:
     sandbox_uid: int | None = None
     relay_port: int = RELAY_PORT  # inside the sandbox, 127.0.0.1:relay_port reaches the proxy
     require_submit: bool = True  # only a submitted episode can be resolved (outcomes.decide)
+    one_version: bool = True  # every sampled token under one weight version (false: asynchronous RL)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the backend (kind, image, engine) of its sandboxes
 
 
@@ -201,7 +202,8 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             report = await _grade(ctx, task, rollout.diff, box_dir / "grade", plan)
             rollout.timings["grading_s"] = time.time() - t2
         rollout.report = report
-        rollout.outcome, rollout.outcome_reason = decide(facts, rollout.calls, report, ctx.require_submit)
+        rollout.outcome, rollout.outcome_reason = decide(facts, rollout.calls, report, ctx.require_submit,
+                                                         ctx.one_version)
     except asyncio.CancelledError:
         rollout.outcome, rollout.outcome_reason = Outcome.AGENT_TIMEOUT, CANCELLED_REASON
         ctx.store.load_calls(rollout)

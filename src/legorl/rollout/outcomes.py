@@ -51,16 +51,24 @@ class EpisodeFacts:
     proxy_calls: int = 0  # calls the proxy answered for this session
 
 
-def capture_problem(calls: list[LLMCall], proxy_calls: int) -> str:
-    """Why this rollout's capture cannot be trusted for training, or "" if it can."""
+def capture_problem(calls: list[LLMCall], proxy_calls: int, one_version: bool = True) -> str:
+    """Why this rollout's capture cannot be trusted for training, or "" if it can.
+
+    `one_version` (synchronous RL): every sampled token under one weight version. Asynchronous RL lets
+    updates come mid-rollout (the staleness filter bounds how old its tokens are), but its versions can only
+    advance: a token sampled under older weights than one before it means the stamps are wrong.
+    """
     if len(calls) != proxy_calls:
         return f"{proxy_calls} calls answered but {len(calls)} recorded"
     by_index = {c.index: c for c in calls}
     if sorted(by_index) != list(range(len(calls))):
         return "call indices are not 0..n-1"
-    versions = {c.weight_version for c in calls if c.sampled_from_policy}
-    if len(versions) > 1:
-        return f"calls span weight versions {sorted(versions)}"
+    sampled = [by_index[i] for i in sorted(by_index) if by_index[i].sampled_from_policy]
+    versions = [v for c in sampled for v in c.versions()]
+    if one_version and len(set(versions)) > 1:
+        return f"calls span weight versions {sorted(set(versions))}"
+    if any(b < a for a, b in zip(versions, versions[1:])):
+        return f"weight versions go back within the rollout ({versions[0]} .. {versions[-1]}, not in order)"
     for c in calls:
         if not c.completion_ids or len(c.completion_ids) != len(c.completion_logprobs):
             return f"call {c.index}: {len(c.completion_ids)} ids vs {len(c.completion_logprobs)} logprobs"
@@ -73,7 +81,7 @@ def capture_problem(calls: list[LLMCall], proxy_calls: int) -> str:
 
 
 def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | None,
-           require_submit: bool = True) -> tuple[Outcome, str]:
+           require_submit: bool = True, one_version: bool = True) -> tuple[Outcome, str]:
     """The outcome of an episode and the reason, in order of what dominates.
 
     With ``require_submit`` only a submitted episode can be resolved: one that ran out of turns or
@@ -96,7 +104,7 @@ def decide(facts: EpisodeFacts, calls: list[LLMCall], report: GraderReport | Non
         return Outcome.AGENT_CRASH, "no result from the harness"
     if facts.proxy_calls == 0:
         return Outcome.NO_MODEL_CALLS, f"the harness exited ({h.exit_status or 'no status'}) without a model call"
-    problem = capture_problem(calls, facts.proxy_calls)
+    problem = capture_problem(calls, facts.proxy_calls, one_version)
     if problem:
         return Outcome.INVALID_CAPTURE, problem
     if "max_turns" in facts.proxy_errors:  # the proxy enforced the turn limit (a harness without one)
