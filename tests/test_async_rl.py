@@ -185,3 +185,24 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     assert {"0 behind", "1 behind", "dropped"} <= names
     assert charts["dropped_by_family"]["series"] and charts["staleness"]["x"] == [0, 1, 2, 3]
     assert "waiting for rollouts" in {s["name"] for s in charts["time"]["series"]}
+
+
+def test_requests_that_arrive_with_an_update_are_all_served(tok) -> None:
+    """Requests queued while an update is applied (asynchronous RL keeps them coming) wait for the next step; none
+    is lost (one was, and its harness waited for it until the agent timed out)."""
+    served = build_model(ModelSpec(num_layers=1, seed=2), tok)
+    new = build_model(ModelSpec(num_layers=1, seed=3), tok).state_dict()
+    p = prompts(tok, 1)[0]
+
+    async def go(eng: LocalEngine):
+        long = asyncio.create_task(eng.generate(p, greedy(200)))
+        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 5, timeout=60)
+        results = []
+        for version in range(1, 6):  # updates with requests queued behind them, in flight and draining
+            update = asyncio.create_task(eng.update_weights(new, in_flight=version % 2 == 1))
+            burst = [asyncio.create_task(eng.generate(p, greedy(4))) for _ in range(6)]
+            results += await asyncio.wait_for(asyncio.gather(update, *burst), timeout=120)
+        return results, await long
+
+    results, _ = asyncio.run(_with(no_stop_engine(served, tok), go))
+    assert len(results) == 5 * 7  # every update and every request came back

@@ -387,7 +387,9 @@ class LocalEngine:
                     admitted: list[_Request] = []
                     ready = self._updates and (self._updates[0].in_flight or not self._active)
                     update = self._updates.popleft() if ready else None
-                    if not self._updates:  # drain the batch before a pending (draining) update
+                    # admit nothing in an update's turn (it `continue`s before stepping: requests taken now would
+                    # be lost), and nothing while a draining update waits for the batch to finish
+                    if update is None and not self._updates:
                         while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                             admitted.append(self._waiting.popleft())
                 if update is not None:
