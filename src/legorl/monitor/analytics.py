@@ -289,7 +289,8 @@ def evaluation_shares(db: RunDB, split: str = "heldout") -> dict[str, Any]:
     return chart("b_eval_shares", title, xs, series, ymin=0, ymax=1) | {"flagged": flagged}
 
 
-def behaviour(cache: BehaviourCache) -> dict[str, Any]:
+def behaviour(cache: BehaviourCache, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The behaviour page: per-step charts from `cache`, then `evaluation` (evaluation_shares' chart) if given."""
     per = cache.per_step()
     xs = sorted(per)
     ms = [per[s] for s in xs]
@@ -316,7 +317,7 @@ def behaviour(cache: BehaviourCache) -> dict[str, Any]:
         chart("b_submit", "Submit rate (rollouts that submitted / ended on their own)", xs,
               {"submitted": g("submit_rate")}, ymin=0, ymax=1),
         chart("b_mix", "Command mix (share of tool calls)", xs, mix, kind="stacked", ymax=1),
-        evaluation_shares(cache.db),
+        *([evaluation] if evaluation is not None else []),
     ]
     sampled = sum(int(m.get("behaviour/sampled_rollouts", m.get("behaviour/rollouts", 0))) for m in ms)
     return {"charts": charts, "steps": len(xs), "rollouts_analysed": sampled, "harnesses": harnesses,

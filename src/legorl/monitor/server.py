@@ -255,7 +255,8 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
     def api_behaviour() -> Response:
         summary = run_dir / "summary.json"  # the evaluations before and after RL are read from it
         stamp = summary.stat().st_mtime_ns if summary.exists() else 0
-        return _json(db.cached(("behaviour", stamp), lambda: json_bytes(analytics.behaviour(cache))))
+        return _json(db.cached(("behaviour", stamp), lambda: json_bytes(
+            analytics.behaviour(cache, analytics.evaluation_shares(db)))))
 
     @app.get("/api/alarms")
     def api_alarms() -> Response:
