@@ -33,6 +33,7 @@ QUERIES = {
     "rollouts: task substring": "/api/rollouts?task=0042",
     "rollouts: harness + reward, sorted by reward": "/api/rollouts?harness=codex&reward_min=1&sort=reward&order=asc",
     "rollouts: page 1000 of 2000": "/api/rollouts?page=1000&per_page=50",
+    "task grid (the last 120 steps)": "/api/tasks?split=train",
     "progress (phase, time left)": "/api/progress",
     "resolved config": "/api/config",
 }
@@ -176,7 +177,7 @@ def write_section(counts, size_mb, build_s, index_s, rows, f50, args, verdict, w
     ]
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    section = "\n".join(lines)
+    section = "\n".join(lines) + "\n"  # a blank line before the next section
     pattern = re.compile(r"^## Dashboard\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
     text = pattern.sub(section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
