@@ -72,7 +72,7 @@ def compare(dbs: list[RunDB]) -> dict[str, Any]:
     evals = [db.eval_pass_rates().get("heldout", []) for db in dbs]
     ex = sorted({s for pts in evals for s, _, _ in pts})
     charts.insert(1, chart("heldout", "Held-out pass@1 per evaluation", ex,
-                           {label: [dict((s, v) for s, v, _ in pts).get(s) for s in ex]
+                           {label: [{s: v for s, v, _ in pts}.get(s) for s in ex]
                             for label, pts in zip(labels, evals, strict=True)}, ymin=0, ymax=1))
     summaries = [_read_json(db.run_dir / "summary.json") for db in dbs]
     harnesses = [{"run": label, "harness": name, "before": row.get("pass_at_1_before_rl"),

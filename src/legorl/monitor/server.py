@@ -33,8 +33,8 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from legorl.monitor import analytics
-from legorl.monitor.config import AlarmConfig
 from legorl.monitor.compare import compare
+from legorl.monitor.config import AlarmConfig
 from legorl.monitor.db import RolloutFilter, RunDB
 from legorl.monitor.progress import estimate, read_progress
 from legorl.monitor.tasks_grid import task_grid

@@ -7,6 +7,7 @@ and the group baseline).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +68,7 @@ def capture_problem(calls: list[LLMCall], proxy_calls: int, one_version: bool = 
     versions = [v for c in sampled for v in c.versions()]
     if one_version and len(set(versions)) > 1:
         return f"calls span weight versions {sorted(set(versions))}"
-    if any(b < a for a, b in zip(versions, versions[1:])):
+    if any(b < a for a, b in itertools.pairwise(versions)):
         return f"weight versions go back within the rollout ({versions[0]} .. {versions[-1]}, not in order)"
     for c in calls:
         if not c.completion_ids or len(c.completion_ids) != len(c.completion_logprobs):
