@@ -39,15 +39,17 @@ def needs_vllm() -> None:
 
 
 def servers_of(run_dir: Path) -> list[int]:
-    """Live processes serving this run's model (the vLLM API server and its engine process)."""
+    """Live vLLM processes serving this run's model (the API server; its engine process, a child of it)."""
+    model = str(run_dir / "engine" / "initial").encode()
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if str(run_dir).encode() in (d / "cmdline").read_bytes():
-                    pids.append(int(d.name))
+                cmdline = (d / "cmdline").read_bytes()
             except OSError:
                 continue
+            if model in cmdline and b"vllm" in cmdline:
+                pids.append(int(d.name))
     return [p for p in pids if p != os.getpid()]
 
 
