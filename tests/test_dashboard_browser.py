@@ -36,7 +36,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_run(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Path:
+    import re
+
     from fastapi.testclient import TestClient
 
     from legorl.monitor.server import create_app
@@ -50,6 +52,11 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     live_checks = 0
     phases: list[str] = []  # what /api/progress said while the run went
+    live_pages: list[str] = []  # the run's own dashboard opened in the browser during each phase
+    errors: list[str] = []
+    live = browser.new_page(viewport={"width": 1400, "height": 1000})
+    live.on("pageerror", lambda e: errors.append(str(e)))
+    live.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     deadline = time.time() + 600
     try:
         client = None
@@ -64,14 +71,23 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 if p["phase"] and (not phases or phases[-1] != p["phase"]):
                     phases.append(p["phase"])
                     assert p["label"] and p["phase_elapsed_s"] >= 0
+                    url = re.search(r"dashboard: (http://\S+)", (run.parent / "train.log").read_text())
+                    if url and p["phase"] != "done":  # the page, rendered while the run writes
+                        live.goto(url.group(1).rstrip("/") + "/")
+                        live.wait_for_selector("#phase-label")
+                        live.goto(url.group(1).rstrip("/") + "/tasks")
+                        live.wait_for_selector("#task-grid, #grid p")
+                        live_pages.append(p["phase"])
                 live_checks += 1
         if proc.poll() is None:
             proc.kill()
             pytest.fail(f"the run did not finish in time; see {run.parent / 'train.log'}")
     finally:
         log.close()
+        live.close()
     assert proc.returncode == 0, (run.parent / "train.log").read_text()[-3000:]
     assert live_checks > 0
+    assert live_pages and errors == [], (live_pages, errors)  # rendered live, without a console error
     # the phases came in order (a short one may pass between two polls), the last one seen being "done"
     order = ["demonstrations", "sft", "eval_before_rl", "rl", "eval_after_rl", "done"]
     assert len(phases) >= 3 and phases == sorted(phases, key=order.index), phases
