@@ -28,18 +28,28 @@ from legorl.train.sequences import build_sequences
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def two_models(tok):
+    """The served model (the engine loads updates into it) and the new weights' model."""
+    return build_model(ModelSpec(num_layers=1, seed=2), tok), build_model(ModelSpec(num_layers=1, seed=3), tok)
+
+
+async def decoding(eng: LocalEngine, prompt: list[int], max_tokens: int, generated: int) -> asyncio.Task:
+    """A greedy generation of `max_tokens`, returned once the engine has generated `generated` tokens."""
+    task = asyncio.create_task(eng.generate(prompt, greedy(max_tokens)))
+    assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= generated, timeout=60)
+    return task
+
+
 def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None:
     """The update does not wait for the generation: the tokens after it come from the new weights, each stamped
     with its version; a request started after it is served by the new weights alone (no KV of the old ones)."""
-    served = build_model(ModelSpec(num_layers=1, seed=2), tok)  # the engine loads the update into it
+    served, new = two_models(tok)
     old = copy.deepcopy(served)
-    new = build_model(ModelSpec(num_layers=1, seed=3), tok)
     p = prompts(tok, 1)[0]
 
     async def go(eng: LocalEngine):
         before = await eng.generate(p, greedy(300))  # the old weights' greedy answer, its KV now cached
-        inflight = asyncio.create_task(eng.generate(p, greedy(300)))
-        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 310, timeout=60)
+        inflight = await decoding(eng, p, 300, generated=310)
         version = await eng.update_weights(new.state_dict(), in_flight=True)
         running = not inflight.done()
         after = await eng.generate(p, greedy(8))  # beside the still-running old-KV row
@@ -85,17 +95,15 @@ def test_an_in_flight_update_reaches_a_generation_mid_way(tok, tmp_path) -> None
 
 
 def test_a_draining_update_still_keeps_one_version_per_generation(tok) -> None:
-    m = build_model(ModelSpec(num_layers=1, seed=2), tok)
-    other = build_model(ModelSpec(num_layers=1, seed=3), tok).state_dict()
+    served, new = two_models(tok)
     p = prompts(tok, 1)[0]
 
     async def go(eng: LocalEngine):
-        inflight = asyncio.create_task(eng.generate(p, greedy(200)))
-        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 5, timeout=60)
-        await eng.update_weights(other)
+        inflight = await decoding(eng, p, 200, generated=5)
+        await eng.update_weights(new.state_dict())
         return await inflight
 
-    res = asyncio.run(_with(no_stop_engine(m, tok), go))
+    res = asyncio.run(_with(no_stop_engine(served, tok), go))
     assert res.token_versions is None and res.weight_version == 0 and len(res.completion_ids) == 200
 
 
@@ -190,16 +198,14 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
 def test_requests_that_arrive_with_an_update_are_all_served(tok) -> None:
     """Requests queued while an update is applied (asynchronous RL keeps them coming) wait for the next step; none
     is lost (one was, and its harness waited for it until the agent timed out)."""
-    served = build_model(ModelSpec(num_layers=1, seed=2), tok)
-    new = build_model(ModelSpec(num_layers=1, seed=3), tok).state_dict()
+    served, new = two_models(tok)
     p = prompts(tok, 1)[0]
 
     async def go(eng: LocalEngine):
-        long = asyncio.create_task(eng.generate(p, greedy(200)))
-        assert await wait_until_async(lambda: eng.stats()["generated_tokens"] >= 5, timeout=60)
+        long = await decoding(eng, p, 200, generated=5)
         results = []
         for version in range(1, 6):  # updates with requests queued behind them, in flight and draining
-            update = asyncio.create_task(eng.update_weights(new, in_flight=version % 2 == 1))
+            update = asyncio.create_task(eng.update_weights(new.state_dict(), in_flight=version % 2 == 1))
             burst = [asyncio.create_task(eng.generate(p, greedy(4))) for _ in range(6)]
             results += await asyncio.wait_for(asyncio.gather(update, *burst), timeout=120)
         return results, await long

@@ -114,14 +114,18 @@ def base_url(real_run: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def compare_url(real_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The real run beside a copy of it whose config says otherwise (the same run name, another directory)."""
+    """The real run beside a copy of it whose recorded config says otherwise (the same run name, another
+    directory)."""
     import json
+    import sqlite3
 
     other = tmp_path_factory.mktemp("compare") / "other"
     shutil.copytree(real_run, other)
-    cfg = json.loads((other / "config.json").read_text())
-    cfg["rollout"]["mode"], cfg["trainer"]["lr"] = "async", 0.5
-    (other / "config.json").write_text(json.dumps(cfg))
+    with sqlite3.connect(other / "store.sqlite") as con:  # the config the run recorded in its store
+        rid, text = con.execute("SELECT id, config_json FROM runs ORDER BY id DESC LIMIT 1").fetchone()
+        cfg = json.loads(text)
+        cfg["rollout"]["mode"], cfg["trainer"]["lr"] = "async", 0.5
+        con.execute("UPDATE runs SET config_json = ? WHERE id = ?", (json.dumps(cfg), rid))
     yield from _served(real_run, other)
 
 

@@ -50,7 +50,7 @@ from legorl.rollout.builders import (
     make_remote_engine,
     make_teacher,
 )
-from legorl.rollout.curriculum import pass_counts, prioritized_sample
+from legorl.rollout.curriculum import family, pass_counts, prioritized_sample
 from legorl.rollout.episode import run_episode
 from legorl.rollout.outcomes import resolve_policies
 from legorl.rollout.scheduler import GroupRunner, RunEpisode
@@ -106,8 +106,9 @@ class Batch:
 
 
 def oldest_version(r: Rollout) -> int | None:
-    """The oldest weight version any of the rollout's sampled tokens came from (None: it sampled none)."""
-    versions = [min(c.versions()) for c in r.calls if c.sampled_from_policy and c.completion_ids]
+    """The oldest weight version any of the rollout's sampled tokens came from (None: it sampled none): a call's
+    `weight_version` is its first token's, and versions only advance."""
+    versions = [c.weight_version for c in r.calls if c.sampled_from_policy and c.completion_ids]
     return min(versions) if versions else None
 
 
@@ -255,6 +256,11 @@ class Driver:
         console.print(f"vLLM ready at {self.vllm_server.url} after {waited:.0f} s")
         return make_remote_engine(self.cfg, self.tokenizer, urls=[self.vllm_server.url], base_model_dir=base,
                                   checkpoint_dir=e.checkpoint_dir or self.run_dir / "engine" / "weights")
+
+    @functools.cached_property
+    def reasoning_markers(self) -> tuple[str, str] | None:
+        """The policy's reasoning markers (model.reasoning, else its chat format's), as the proxy splits them."""
+        return chat_format(self.tokenizer).with_reasoning(self.cfg.model.reasoning).reasoning
 
     def engine_stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -425,7 +431,7 @@ class Driver:
         rollouts, async_metrics = b.rollouts, {}
         asynchronous = self.cfg.rollout.mode == "async"
         if asynchronous:
-            families = {t.instance_id: t.family for t in self.train_tasks}
+            families = {t.instance_id: family(t) for t in self.train_tasks}
             rollouts, async_metrics = staleness_filter(b.rollouts, self.engine.weight_version,
                                                        self.cfg.rollout.max_staleness, families)
         seqs, seq_metrics, trained = self.sequences(rollouts)
@@ -574,7 +580,7 @@ class Driver:
         by_id = {t.instance_id: t for t in tasks}
         kind = {r.id: failure_kind(r, by_id.get(r.task_id)) for r in rollouts}  # each rollout analysed once
         m = eval_metrics(rollouts, k, prefix=f"eval/{split}/") | failure_shares(kind.values(), f"eval/{split}/")
-        reasoning = chat_format(self.tokenizer).with_reasoning(self.cfg.model.reasoning).reasoning
+        reasoning = self.reasoning_markers
         for name, rs in by_harness.items():
             m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
             m.update(failure_shares((kind[r.id] for r in rs), f"eval/{split}/{name}/"))
@@ -653,7 +659,6 @@ class Driver:
             self.loggers.log(0, summary["before_rl"])  # evaluations go to the loggers at the RL updates done
             save()
             console.print(eval_line("before RL", summary["before_rl"]), markup=False)
-        self.progress.state["first_step"] = self.first_step  # a resumed run's step rate counts its own steps
         with phase("rl"):
             await self.train()
         if self.cfg.eval.after_training:

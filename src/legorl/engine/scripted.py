@@ -38,7 +38,6 @@ class ScriptedEngine:
         self._weight_version = 0
         self._max_context = max_context
         fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
-        self.end_of_turn_id = fmt.end_of_turn_id
         self.stop_ids = frozenset(fmt.stop_ids)
         self._closer = fmt.stop_ids[0]  # what a sampled turn ends on: the end of turn, gpt-oss's <|return|>
         self._default = script

@@ -6,7 +6,6 @@ the front end draws any spec, so every curve is defined here, once.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -258,10 +257,7 @@ class BehaviourCache:
 def evaluations(db: RunDB, split: str = "heldout") -> list[tuple[int, dict[str, float]]]:
     """(RL updates done, metrics) of each evaluation of `split`: before RL and after it from summary.json, the
     ones between steps (`eval.every`) from the step rows."""
-    try:
-        summary = json.loads((db.run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        summary = {}
+    summary = db.summary()
     key = f"eval/{split}/pass_at_1"
     out = [(0, summary["before_rl"])] if key in summary.get("before_rl", {}) else []
     out += [(s + 1, m) for s, _, m in db.steps() if key in m]

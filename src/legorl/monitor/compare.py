@@ -3,8 +3,6 @@ where their configs differ, and each one's per-harness results before and after 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from legorl.monitor.analytics import chart
@@ -21,9 +19,9 @@ CURVES = [
 ]
 
 
-def run_label(db: RunDB, taken: set[str]) -> str:
+def run_label(db: RunDB, name: str | None, taken: set[str]) -> str:
     """The run's name, made unique with its directory's name where two runs share one."""
-    name = db.run_info()["name"] or db.run_dir.name
+    name = name or db.run_dir.name
     label = name if name not in taken else f"{name} ({db.run_dir.name})"
     taken.add(label)
     return label
@@ -37,13 +35,6 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def config_differences(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,7 +53,8 @@ def config_differences(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def compare(dbs: list[RunDB]) -> dict[str, Any]:
     """What the Compare page draws, for runs in the order given (the first is the dashboard's own run)."""
     taken: set[str] = set()
-    labels = [run_label(db, taken) for db in dbs]
+    infos = [db.run_info() for db in dbs]  # name and resolved config, as the run recorded them in its store
+    labels = [run_label(db, info["name"], taken) for db, info in zip(dbs, infos, strict=True)]
     steps = [{s: m for s, _, m in db.steps()} for db in dbs]
     xs = sorted({s for per_run in steps for s in per_run})
     charts = [chart(cid, title, xs, {label: [per_run.get(s, {}).get(key) for s in xs]
@@ -74,7 +66,7 @@ def compare(dbs: list[RunDB]) -> dict[str, Any]:
     charts.insert(1, chart("heldout", "Held-out pass@1 per evaluation", ex,
                            {label: [{s: v for s, v, _ in pts}.get(s) for s in ex]
                             for label, pts in zip(labels, evals, strict=True)}, ymin=0, ymax=1))
-    summaries = [_read_json(db.run_dir / "summary.json") for db in dbs]
+    summaries = [db.summary() for db in dbs]
     harnesses = [{"run": label, "harness": name, "before": row.get("pass_at_1_before_rl"),
                   "after": row.get("pass_at_1_after_rl")}
                  for label, s in zip(labels, summaries, strict=True)
@@ -83,5 +75,5 @@ def compare(dbs: list[RunDB]) -> dict[str, Any]:
                       "wall_time_s": s.get("wall_time_s")}
                      for label, db, per_run, s in zip(labels, dbs, steps, summaries, strict=True)],
             "charts": charts,
-            "config_differences": config_differences([_read_json(db.run_dir / "config.json") for db in dbs]),
+            "config_differences": config_differences([info["config"] for info in infos]),
             "per_harness": harnesses}

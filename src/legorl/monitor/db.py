@@ -283,6 +283,14 @@ class RunDB:
         steps = self.steps()
         return steps[-1][0] if steps else None
 
+    def summary(self) -> dict[str, Any]:
+        """RUN_DIR/summary.json (evaluations before and after RL, per-harness results, wall time); {} until the
+        run writes it."""
+        try:
+            return json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
     def run_info(self) -> dict[str, Any]:
         rows = self.query("SELECT name, created, config_json FROM runs ORDER BY id DESC LIMIT 1")
         if not rows:

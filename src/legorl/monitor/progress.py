@@ -45,6 +45,9 @@ class RunProgress:
         self.write()
 
     def at_step(self, step: int) -> None:
+        """RL step `step` starts (steps before it are done); the first one this process trains sets the rate's
+        origin (a resumed run's step rate counts its own steps)."""
+        self.state.setdefault("first_step", step)
         self.state["step"] = step
         self.write(force=True)
 
@@ -69,8 +72,9 @@ def read_progress(run_dir: Path) -> dict[str, Any] | None:
         return None  # a run from before progress was recorded, or one not started
 
 
-def estimate(p: dict[str, Any], steps_done: int, now: float | None = None) -> dict[str, Any]:
+def estimate(p: dict[str, Any], steps_done: int | None = None, now: float | None = None) -> dict[str, Any]:
     """What the overview shows: the phase's label and share done, elapsed and an estimate of the time left.
+    `steps_done`: RL steps finished (default: those before the step the file says is running).
 
     The time left adds the current phase's rest (its rate so far; for RL, the mean step time) and the
     later planned phases' measured or estimated durations: the evaluation after RL takes about as long as the
@@ -80,6 +84,7 @@ def estimate(p: dict[str, Any], steps_done: int, now: float | None = None) -> di
     times = dict(p.get("phase_times_s") or {})
     elapsed = now - p["phase_started"] if p.get("phase_started") else 0.0
     steps = int(p.get("steps") or 0)
+    steps_done = steps_done if steps_done is not None else int(p.get("step") or 0)
     if phase == "rl":
         first_done = steps_done - (p.get("first_step") or 0)
         share = steps_done / steps if steps else None

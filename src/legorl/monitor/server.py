@@ -202,7 +202,7 @@ def create_app(run_dir: str | Path, token: str | None = None, alarm_config: Alar
     def api_progress() -> dict[str, Any]:
         """The run's phase, its progress and the time left (null where nothing measured supports it)."""
         p = read_progress(run_dir)
-        return estimate(p, steps_done=len(db.steps())) if p is not None else {"phase": None}
+        return estimate(p) if p is not None else {"phase": None}
 
     @app.get("/api/config")
     def api_config() -> Response:

@@ -46,7 +46,7 @@ def mismatch_metrics(trainer_logp: Tensor, sampler_logp: Tensor, is_weight: Tens
             "train/mismatch_abs_dlogp_max": 0.0,
             "train/is_weight_mean": 1.0,
             "train/is_ess": 1.0,
-            **{f"train/is_weight_{q}": 1.0 for q in QUANTILES},
+            **weight_quantiles(is_weight),
         }
     t, s = trainer_logp.double(), sampler_logp.double()
     r = t - s
@@ -70,7 +70,7 @@ def weight_quantiles(w: Tensor) -> dict[str, float]:
     if w.numel() == 0:
         return {f"train/is_weight_{q}": 1.0 for q in QUANTILES}
     sample = w.double().flatten()
-    if sample.numel() > 1 << 20:  # torch.quantile's input limit is far above; a million is plenty
+    if sample.numel() > 1 << 20:  # torch.quantile refuses inputs over 16M values; a sample of 1M is plenty
         sample = sample[torch.randperm(sample.numel(), generator=torch.Generator().manual_seed(0))[: 1 << 20]]
     qs = torch.quantile(sample, torch.tensor(list(QUANTILES.values()), dtype=torch.float64))
     return {f"train/is_weight_{q}": float(v) for q, v in zip(QUANTILES, qs, strict=True)}
