@@ -299,7 +299,7 @@ def test_builtin_tokenizer_reads_todays_constants(tokenizer, tiny_spec):
     bridge = TokenBridge(tokenizer)
     assert (bridge.eos_text, bridge.eos_id) == (IM_END, im_end)
     assert WireFormat(tokenizer).turn_end_ids == {im_end}
-    assert ScriptedEngine(tokenizer).end_of_turn_id == im_end
+    assert ScriptedEngine(tokenizer).stop_ids == {im_end, pad}
     assert default_stop_ids(build_model(tiny_spec, tokenizer), tokenizer) == [im_end, pad]
 
 
