@@ -2,8 +2,8 @@
 
 Agents have been seen reading the fix from future git history; the repo they get
 therefore has no history, remotes, tags, reflog or stray objects, and never the
-hidden tests. Git runs with host config and hooks disabled and a fixed identity/date,
-so the commit hash is deterministic.
+hidden tests, and its one commit message says nothing of the task. Git runs with host config and
+hooks disabled and a fixed identity/date, so the commit hash is deterministic.
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def prepare_repo(task: Task, dest: Path) -> str:
                 target.unlink()
     git(dest, "init", "-q")
     git(dest, "add", "-A", "--force")
-    git(dest, "commit", "-q", "--no-verify", "--allow-empty", "-m", f"{task.instance_id}: base")
+    # The message names nothing of the task: a built-in task's id names its bug family, and Qwen Code
+    # and Claude Code put `git log` in their system prompts.
+    git(dest, "commit", "-q", "--no-verify", "--allow-empty", "-m", "base")
     shutil.rmtree(dest / ".git" / "logs", ignore_errors=True)
     for sample_hook in (dest / ".git" / "hooks").glob("*"):
         sample_hook.unlink()
