@@ -2,7 +2,9 @@
 
 Each harness plays the scripted teacher's episodes (read the function, fix the line, finish) on
 built-in tasks through the proxy, as `make demo` does; the figures are the recorded prompt
-lengths (the built-in tokenizer): the first call of each episode and the median over all calls.
+lengths (the built-in tokenizer): the first call of each episode and the median over all calls, and
+the prefix the first calls of different tasks share (what the trainer forwards once for a micro-batch:
+`trainer.shared_prefix`; a harness that writes the task's state early in its prompt shares little).
 The shortened configurations are those of configs/demo-<harness>.yaml.
 
     .venv/bin/python bench/harness_prompts.py [--episodes 4] [--harness claude-code]
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,8 +25,9 @@ from legorl.pipeline import Driver
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def measure(config: Path | None, overrides: list[str], episodes: int) -> tuple[list[int], list[int]]:
-    """Prompt lengths of `episodes` teacher episodes: first calls, and every call."""
+async def measure(config: Path | None, overrides: list[str], episodes: int) -> tuple[list[int], list[int], int]:
+    """Prompt lengths of `episodes` teacher episodes (each a different task): first calls, every call, and
+    the tokens all first calls share."""
     cfg = load_config(config, ["monitor.dashboard=false", "tasks.n_train=8", "tasks.n_heldout=0", "sft.demos=0",
                                *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
@@ -31,7 +35,8 @@ async def measure(config: Path | None, overrides: list[str], episodes: int) -> t
             demos = await driver.collect_demos(episodes)
     first = [len(r.calls[0].prompt_ids) for r in demos if r.calls]
     every = [len(c.prompt_ids) for r in demos for c in r.calls]
-    return first, every
+    shared = len(os.path.commonprefix([r.calls[0].prompt_ids for r in demos if r.calls]))
+    return first, every, shared
 
 
 def main() -> None:
@@ -57,12 +62,13 @@ def main() -> None:
         ("qwen-code", "shortened (demo config)", ROOT / "configs" / "demo-qwen-code.yaml", []),
     ]
     cases = [c for c in cases if not args.harness or c[0] in args.harness]
-    print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls |")
-    print("|---|---|---:|---:|---:|")
+    print(f"| harness | configuration | first call (median of {args.episodes}) | median per call | calls "
+          "| shared by the tasks' first calls |")
+    print("|---|---|---:|---:|---:|---:|")
     for name, label, config, overrides in cases:
-        first, every = asyncio.run(measure(config, overrides, args.episodes))
+        first, every, shared = asyncio.run(measure(config, overrides, args.episodes))
         print(f"| {name} | {label} | {statistics.median(first):,.0f} | {statistics.median(every):,.0f} | "
-              f"{len(every)} |", flush=True)
+              f"{len(every)} | {shared:,} |", flush=True)
 
 
 if __name__ == "__main__":
