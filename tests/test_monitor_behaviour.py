@@ -293,6 +293,13 @@ def test_reasoning_and_tool_call_shares_of_the_output(tmp_path) -> None:
     assert shares["reasoning_share"] == pytest.approx(6 / (len("<think>abcdef</think>done") + len("plain text")))
     assert shares["tool_call_share"] == 0.5
     assert output_shares([r], None)["reasoning_share"] == 0.0
+    # a generation prompt that opens the block (Qwen3-Thinking's): the reply starts inside the reasoning
+    opened = Rollout(id="o", step=0, task_id="t", group_id="g", sample_index=0, harness="h",
+                     calls=[call("abcd</think>done", False)])
+    prompts = {1: "<|im_start|>assistant\n<think>\n"}
+    assert output_shares([opened], ("<think>", "</think>"))["reasoning_share"] == 0.0  # no decode: not seen
+    shares = output_shares([opened], ("<think>", "</think>"), lambda ids: "".join(prompts[i] for i in ids))
+    assert shares["reasoning_share"] == pytest.approx(4 / len("abcd</think>done"))
 
     # per evaluation, from summary.json and the step rows; an evaluation covering under half the cohort is flagged
     Store(tmp_path / "store.sqlite").add_step(3, {"eval/heldout/pass_at_1": 0.2, "eval/heldout/cohort_coverage": 0.4,

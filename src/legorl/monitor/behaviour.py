@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from legorl.harness.mini_swe_agent import TEXT_ACTION_REGEX
 from legorl.monitor.commands import KINDS, Action, Classified, classify_tool_call, same_file
 from legorl.monitor.messages import Message, conversation_items, declares_tools, new_messages
-from legorl.proxy.reasoning import split_reasoning
+from legorl.proxy.reasoning import prompt_opens_reasoning, split_reasoning
 from legorl.records import ABANDONED, LLMCall, Rollout, ToolCall
 
 # What harnesses say back when a turn was malformed (mini-swe-agent, SWE-agent, OpenHands, Codex, ...).
@@ -177,11 +177,18 @@ def step_metrics(rollouts: Iterable[Rollout]) -> dict[str, float]:
     return aggregate(analyse_rollout(r) for r in rollouts if r.calls)
 
 
-def output_shares(rollouts: Iterable[Rollout], reasoning: tuple[str, str] | None) -> dict[str, float]:
+PROMPT_TAIL = 8  # tokens: enough to hold a generation prompt's open marker and its newline
+
+
+def output_shares(rollouts: Iterable[Rollout], reasoning: tuple[str, str] | None,
+                  decode: Callable[[list[int]], str] | None = None) -> dict[str, float]:
     """Of the agent's own sampled output (main session): `reasoning_share`, the share of its characters inside
     reasoning blocks (`reasoning`: the chat format's markers; None: the model has none, share 0), and
     `tool_call_share`, the share of its calls that made a tool call. Behaviour shifts show here first: reasoning
-    can double while the solve rate barely moves."""
+    can double while the solve rate barely moves.
+
+    `decode` (the tokenizer's) reads each prompt's last tokens: a generation prompt that writes the open marker
+    (Qwen3-Thinking's, DeepSeek-R1's) starts the reply inside the reasoning, as the proxy splits it."""
     text = thought = calls = with_tools = 0
     for r in rollouts:
         for c in r.calls:
@@ -190,6 +197,7 @@ def output_shares(rollouts: Iterable[Rollout], reasoning: tuple[str, str] | None
             calls += 1
             with_tools += bool(c.tool_calls)
             text += len(c.completion_text)
-            split = split_reasoning(c.completion_text, reasoning)
+            opened = decode is not None and prompt_opens_reasoning(decode(c.prompt_ids[-PROMPT_TAIL:]), reasoning)
+            split = split_reasoning(c.completion_text, reasoning, opened)
             thought += len(split.reasoning or "")
     return {"reasoning_share": thought / text if text else 0.0, "tool_call_share": with_tools / calls if calls else 0.0}
