@@ -33,10 +33,9 @@ async def measure(config: Path | None, overrides: list[str], episodes: int) -> t
     with tempfile.TemporaryDirectory() as run_dir:
         async with Driver(cfg, Path(run_dir)) as driver:
             demos = await driver.collect_demos(episodes)
-    first = [len(r.calls[0].prompt_ids) for r in demos if r.calls]
+    firsts = [r.calls[0].prompt_ids for r in demos if r.calls]
     every = [len(c.prompt_ids) for r in demos for c in r.calls]
-    shared = len(os.path.commonprefix([r.calls[0].prompt_ids for r in demos if r.calls]))
-    return first, every, shared
+    return [len(p) for p in firsts], every, len(os.path.commonprefix(firsts))
 
 
 def main() -> None:

@@ -585,7 +585,8 @@ class Driver:
             m.update(eval_metrics(rs, k, prefix=f"eval/{split}/{name}/"))
             m.update(failure_shares((kind[r.id] for r in rs), f"eval/{split}/{name}/"))
             m.update({f"eval/{split}/{name}/{key}": v for key, v in behaviour_metrics(rs).items()})
-            m.update({f"eval/{split}/{name}/behaviour/{key}": v for key, v in output_shares(rs, reasoning, self.tokenizer.decode).items()})
+            shares = output_shares(rs, reasoning, self.tokenizer.decode)
+            m.update({f"eval/{split}/{name}/behaviour/{key}": v for key, v in shares.items()})
         # the fixed cohort (this split's tasks): how much of it the evaluation covered with a graded rollout
         graded = {r.task_id for r in rollouts if r.reward is not None}
         m[f"eval/{split}/cohort_coverage"] = len(graded & set(by_id)) / len(by_id) if by_id else 0.0

@@ -197,7 +197,7 @@ def output_shares(rollouts: Iterable[Rollout], reasoning: tuple[str, str] | None
             calls += 1
             with_tools += bool(c.tool_calls)
             text += len(c.completion_text)
-            opened = bool(decode and reasoning) and prompt_opens_reasoning(decode(c.prompt_ids[-PROMPT_TAIL:]), reasoning)
-            split = split_reasoning(c.completion_text, reasoning, opened)
+            tail = decode(c.prompt_ids[-PROMPT_TAIL:]) if decode and reasoning else ""
+            split = split_reasoning(c.completion_text, reasoning, prompt_opens_reasoning(tail, reasoning))
             thought += len(split.reasoning or "")
     return {"reasoning_share": thought / text if text else 0.0, "tool_call_share": with_tools / calls if calls else 0.0}

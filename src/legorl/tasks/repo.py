@@ -134,8 +134,8 @@ def prepare_repo(task: Task, dest: Path) -> str:
                 target.unlink()
     git(dest, "init", "-q")
     git(dest, "add", "-A", "--force")
-    # The message names nothing of the task: a built-in task's id names its bug family, and Qwen Code
-    # and Claude Code put `git log` in their system prompts.
+    # The message names nothing of the task: a built-in task's id names its bug family, and an agent
+    # reads `git log` (Qwen Code puts it in its system prompt).
     git(dest, "commit", "-q", "--no-verify", "--allow-empty", "-m", "base")
     shutil.rmtree(dest / ".git" / "logs", ignore_errors=True)
     for sample_hook in (dest / ".git" / "hooks").glob("*"):
