@@ -47,7 +47,8 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Path:
     exe = Path(sys.executable).with_name("legorl")
     cmd = [str(exe), "train", "--config", str(ROOT / "configs" / "smoke.yaml"), "--run-dir", str(run),
            "run.steps=2", "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "harness.step_limit=5",
-           "rollout.tasks_per_step=2", "rollout.group_size=2", "run.checkpoint_every=0"]
+           "rollout.tasks_per_step=2", "rollout.group_size=2", "run.checkpoint_every=0",
+           "eval.before_training=true"]
     log = open(run.parent / "train.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     live_checks = 0
@@ -309,6 +310,10 @@ def test_task_grid(page: Any, base_url: str) -> None:
     assert cells.count() == 4  # 2 steps x 2 tasks, a cell holding its task's group of 2 rollouts
     assert "resolved" in cells.first.get_attribute("title")
     shot(page, "tasks")
+    page.select_option("#grid-form select", "eval-heldout")  # the evaluation before RL is step -1: named
+    page.wait_for_selector("#task-grid td.cell")
+    assert page.locator("#task-grid th.step").first.inner_text() == "before"
+    assert "before RL:" in page.locator("#task-grid td.cell").first.get_attribute("title")
     page.select_option("#grid-form select", "demo")
     page.wait_for_selector("#task-grid td.cell.solved")  # the teacher's demonstrations resolved
     page.locator("#task-grid td.cell a").first.click()

@@ -305,12 +305,14 @@ async function tasksPage() {
   async function draw() {
     const d = await api(`/api/tasks?split=${encodeURIComponent(split)}`);
     if (!d.rows.length) { grid.innerHTML = `<p class="muted">no finished rollout in this split yet</p>`; return; }
-    const head = `<tr><th>task</th><th>harness</th><th>solved</th>${d.steps.map(s => `<th class="step">${s}</th>`).join("")}</tr>`;
+    // the evaluation before RL and the demonstrations are recorded at step -1
+    const col = s => s >= 0 ? `step ${s}` : split === "demo" ? "demonstrations" : "before RL";
+    const head = `<tr><th>task</th><th>harness</th><th>solved</th>${d.steps.map(s => `<th class="step" title="${col(s)}">${s >= 0 ? s : split === "demo" ? "" : "before"}</th>`).join("")}</tr>`;
     let family = null, body = "";
     for (const r of d.rows) {
       if (r.family !== family) { family = r.family; body += `<tr class="family"><td colspan="${3 + d.steps.length}">${esc(family)}</td></tr>`; }
       body += `<tr><td class="mono">${esc(short(r.task, 48))}</td><td>${esc(r.harness)}</td><td class="num">${r.solved}/${r.sampled}</td>` +
-        r.cells.map((c, i) => c ? `<td class="cell ${kind(c)}" title="step ${d.steps[i]}: ${c[0]} resolved, ${c[1]} failed, ${c[2]} masked"><a href="/rollout/${encodeURIComponent(c[3])}">■</a></td>` : `<td></td>`).join("") + "</tr>";
+        r.cells.map((c, i) => c ? `<td class="cell ${kind(c)}" title="${col(d.steps[i])}: ${c[0]} resolved, ${c[1]} failed, ${c[2]} masked"><a href="/rollout/${encodeURIComponent(c[3])}">■</a></td>` : `<td></td>`).join("") + "</tr>";
     }
     grid.innerHTML = (d.older_steps ? `<p class="muted">${d.older_steps} older steps not shown</p>` : "") + `<table id="task-grid">${head}${body}</table>`;
   }

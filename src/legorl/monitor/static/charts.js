@@ -28,6 +28,16 @@ const Charts = (() => {
     return v.toExponential(1);
   }
 
+  // a tick's label: as many decimals as the tick step needs, so a narrow range (a Pearson of 0.9999998 to
+  // 1) reads 0.9999998, 0.9999999, 1 rather than three "1.0"
+  function tickFmt(v, step) {
+    const a = Math.abs(v);
+    if (a === 0 || step >= 1 || a < 1e-3 || a >= 1e4) return fmt(v);
+    let d = 0;
+    while (d < 10 && Math.abs(Math.round(step * 10 ** d) - step * 10 ** d) > 1e-6) d++;
+    return v.toFixed(d);
+  }
+
   function ticks(lo, hi, n) {
     if (hi <= lo) { hi = lo + 1; }
     const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
@@ -75,7 +85,6 @@ const Charts = (() => {
     }
     const W = Math.max(260, box.clientWidth - 2);
     const svg = el("svg", {width: W, height: H, class: "chart-svg", role: "img", "aria-label": spec.title}, box);
-    const pw = W - M.l - M.r, ph = H - M.t - M.b;
     const stacked = spec.kind === "stacked";
     const n = xs.length;
     // y range
@@ -98,29 +107,33 @@ const Charts = (() => {
     if (log && lo > 0) { lo = Math.pow(10, Math.floor(Math.log10(lo))); hi = Math.pow(10, Math.ceil(Math.log10(hi))); }
     const ty = log ? (v => Math.log10(v)) : (v => v);
     const L = ty(lo), Hh = ty(hi);
+    const decades = Math.round(Hh - L), every = Math.max(1, Math.ceil(decades / 5));
+    const yt = (log ? Array.from({length: Math.floor(decades / every) + 1}, (_, i) => Math.pow(10, Math.round(L) + i * every))
+      : ticks(lo, hi, 4)).filter(v => v >= lo - 1e-12 && v <= hi + 1e-12);
+    const ystep = yt.length > 1 ? yt[1] - yt[0] : 1;
+    const ylabels = yt.map(v => log ? fmt(v) : tickFmt(v, ystep));
+    // the left margin widens for long labels (10px text: about 6px a character)
+    const ml = Math.max(M.l, 10 + 6 * Math.max(0, ...ylabels.map(t => t.length)));
+    const pw = W - ml - M.r, ph = H - M.t - M.b;
     const Y = v => M.t + ph - (ty(v) - L) / ((Hh - L) || 1) * ph;
     // x: a band per step for bars, a linear scale for lines
     const xmin = Math.min(...xs), xmax = Math.max(...xs);
     const band = pw / n;
-    const X = stacked ? (i => M.l + band * (i + 0.5)) : (i => M.l + (xmax === xmin ? pw / 2 : (xs[i] - xmin) / (xmax - xmin) * pw));
+    const X = stacked ? (i => ml + band * (i + 0.5)) : (i => ml + (xmax === xmin ? pw / 2 : (xs[i] - xmin) / (xmax - xmin) * pw));
     // grid and axes
-    const decades = Math.round(Hh - L), every = Math.max(1, Math.ceil(decades / 5));
-    const yt = log ? Array.from({length: Math.floor(decades / every) + 1}, (_, i) => Math.pow(10, Math.round(L) + i * every))
-      : ticks(lo, hi, 4);
-    for (const v of yt) {
-      if (v < lo - 1e-12 || v > hi + 1e-12) continue;
+    yt.forEach((v, k) => {
       const y = Y(v);
-      el("line", {x1: M.l, x2: M.l + pw, y1: y, y2: y, class: "grid"}, svg);
-      el("text", {x: M.l - 6, y: y + 4, "text-anchor": "end", class: "axis"}, svg).textContent = fmt(v);
-    }
+      el("line", {x1: ml, x2: ml + pw, y1: y, y2: y, class: "grid"}, svg);
+      el("text", {x: ml - 6, y: y + 4, "text-anchor": "end", class: "axis"}, svg).textContent = ylabels[k];
+    });
     const xt = stacked ? xs.filter((_, i) => i % Math.max(1, Math.ceil(n / 10)) === 0) : ticks(xmin, xmax, Math.min(8, Math.max(1, xmax - xmin)));
     for (const v of xt) {
       const i = stacked ? xs.indexOf(v) : null;
-      const x = stacked ? X(i) : (xmax === xmin ? M.l + pw / 2 : M.l + (v - xmin) / (xmax - xmin) * pw);
+      const x = stacked ? X(i) : (xmax === xmin ? ml + pw / 2 : ml + (v - xmin) / (xmax - xmin) * pw);
       if (!stacked && (v < xmin || v > xmax || !Number.isInteger(v))) continue;
       el("text", {x, y: H - 8, "text-anchor": "middle", class: "axis"}, svg).textContent = fmt(v);
     }
-    el("line", {x1: M.l, x2: M.l + pw, y1: M.t + ph, y2: M.t + ph, class: "axis-line"}, svg);
+    el("line", {x1: ml, x2: ml + pw, y1: M.t + ph, y2: M.t + ph, class: "axis-line"}, svg);
     // marks
     if (stacked) {
       const bw = Math.max(1, Math.min(48, band * 0.8));
@@ -159,7 +172,7 @@ const Charts = (() => {
     // hover
     const cursor = el("line", {y1: M.t, y2: M.t + ph, class: "cursor", visibility: "hidden", "pointer-events": "none"}, svg);
     const nearest = px => {
-      if (stacked) return Math.max(0, Math.min(n - 1, Math.floor((px - M.l) / band)));
+      if (stacked) return Math.max(0, Math.min(n - 1, Math.floor((px - ml) / band)));
       let best = 0, bd = Infinity;
       for (let i = 0; i < n; i++) { const dd = Math.abs(X(i) - px); if (dd < bd) { bd = dd; best = i; } }
       return best;
@@ -176,7 +189,7 @@ const Charts = (() => {
       svg.addEventListener("mousemove", move);
       svg.addEventListener("mouseleave", leave);
     } else {
-      const hit = el("rect", {x: M.l, y: M.t, width: pw, height: ph, fill: "transparent"}, svg);
+      const hit = el("rect", {x: ml, y: M.t, width: pw, height: ph, fill: "transparent"}, svg);
       hit.addEventListener("mousemove", move);
       hit.addEventListener("mouseleave", leave);
     }
