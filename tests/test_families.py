@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 import torch
@@ -28,9 +29,11 @@ from google import genai
 from google.genai import types
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from legorl.engine import ScriptedEngine
+from legorl.engine import ScriptedEngine, UpstreamEngine
 from legorl.engine.local import LocalEngine
+from legorl.models import render_tool_call_text
 from legorl.models.chat_format import chat_format
+from legorl.models.replies import reply_ids
 from legorl.proxy.server import Proxy
 from legorl.records import SamplingParams
 from legorl.store import Store
@@ -165,18 +168,10 @@ def test_harmony_stops_on_call_and_return_not_end(checkpoints):
 def scripted_call(tok, content: str | None) -> str:
     """The family's tool call as its model samples it: the template's rendering of the assistant turn after the
     generation prompt, up to and including the first stop id (where an engine stops)."""
-    fmt = chat_format(tok)
-    user = [{"role": "user", "content": USER}]
     call = {"role": "assistant", "content": content, "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "bash", "arguments": LS}}]}
-    if fmt.tools != "template":  # legorl renders the tool conversation (the `tagged` syntax)
-        user, call = fmt.prepare(user, [BASH])[0], fmt.prepare([*user, call], [BASH])[0][-1]
-    prompt = tok.apply_chat_template(user, tools=[BASH], add_generation_prompt=True, tokenize=False)
-    full = tok.apply_chat_template([*user, call], tools=[BASH], tokenize=False)
-    assert full.startswith(prompt)
-    ids = tok.encode(full[len(prompt):], add_special_tokens=False)
-    stop = next(j for j, t in enumerate(ids) if t in fmt.stop_ids)
-    return tok.decode(ids[:stop + 1], skip_special_tokens=False)
+    ids = reply_ids(tok, chat_format(tok), [{"role": "user", "content": USER}], [BASH], call)
+    return tok.decode(ids, skip_special_tokens=False)
 
 
 async def chat(c, stream: bool, msgs: list) -> tuple[list, str | None, dict]:
@@ -317,3 +312,57 @@ def test_every_wire_format_reads_the_familys_call_and_bridges_the_next(family, w
             store.add_call(c)
         fidelity = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))["fidelity"]
     assert fidelity["violations"] == 0 and fidelity["bridge_hits"] == 1 and fidelity["segments"] == 1, fidelity
+
+
+# ---- teachers: demonstrations in the family's own syntax ---------------------------------------------------------
+
+def upstream_teacher(tok, content: str | None) -> UpstreamEngine:
+    """A hosted model (OpenAI Chat Completions, on a mock transport) that calls bash, then answers."""
+    answers = iter([{"content": content, "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "bash", "arguments": json.dumps(LS)}}]},
+        {"content": "Two files."}])
+
+    def answer(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", **next(answers)},
+                                                      "finish_reason": "stop"}]})
+
+    return UpstreamEngine("http://teacher.invalid/v1", "hosted", tok,
+                          client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+
+
+@pytest.mark.parametrize("teacher", ["scripted", "upstream"])
+@pytest.mark.parametrize("family", ALL)
+def test_a_teachers_call_reaches_the_policy_in_its_familys_syntax(family, teacher, tokenizers, tmp_path):
+    """A script writes calls in legorl's <tool_call> syntax and a hosted teacher answers in messages: either way
+    the recorded ids are what a model of this family samples (its template's syntax, closed by its stop id), the
+    proxy reads the call back, and the next call is bridged onto them."""
+    tok = tokenizers[family]
+    content = "I will look." if family == NO_TOOLS or FAMILIES[family][3] else None
+
+    async def main():
+        if teacher == "scripted":
+            engine = ScriptedEngine(tok)
+            engine.set_script("r", [(content + "\n" if content else "") + render_tool_call_text("bash", LS),
+                                    "Two files."])
+        else:
+            engine = upstream_teacher(tok, content)
+        calls: list = []
+        proxy = Proxy(engine, tok, on_call=calls.append)
+        await proxy.start()
+        try:
+            got = await session_chat(proxy, proxy.open_session("r"), stream=False)
+            return got, calls
+        finally:
+            await proxy.stop()
+            await engine.close()
+
+    (got_calls, got_content), calls = asyncio.run(main())
+    assert got_calls == [("bash", LS)] and got_content == content
+    assert calls[0].completion_text == scripted_call(tok, content)  # the family's syntax, as its model samples it
+    assert calls[0].completion_ids[-1] in chat_format(tok).stop_ids and not calls[0].malformed_tool_call
+    assert calls[1].parent_index == 0 and calls[1].segment_break is None
+    with Store(tmp_path / "store.sqlite") as store:
+        for c in calls:
+            store.add_call(c)
+        fidelity = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))["fidelity"]
+    assert fidelity["violations"] == 0 and fidelity["bridge_hits"] == 1, fidelity

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.models.chat_format import LEGORL, ChatFormat, ChatFormatError, chat_format
+from legorl.models.replies import reply_ids
 from legorl.models.toolformats import AUTO, PARSERS, detect_tool_format, get_parser
 from legorl.proxy.bridge import NOT_PREFIX_STABLE, PastCall, TokenBridge, normalize_message, reply_message
 
@@ -126,19 +127,11 @@ def _sampled_call(bridge: TokenBridge, messages: list[dict], wanted: tuple[str, 
     generation prompt, encoded, up to and including the first stop id (where the engine stops)."""
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": f"call_{i}", "type": "function", "function": {"name": wanted[0], "arguments": json.dumps(wanted[1])}}]}
-    prompt = bridge.render(messages, _TOOLS, generation_prompt=True)
-    full = bridge.render([*messages, call], _TOOLS, generation_prompt=False)
-    if not full.startswith(prompt):
-        out.note(f"call {i + 1}: the template writes an assistant turn that does not start with its generation "
-                 "prompt, so no sampled reply can render as the template renders it")
+    try:
+        return reply_ids(bridge.tok, bridge.format, messages, _TOOLS, call)
+    except ChatFormatError as e:
+        out.note(f"call {i + 1}: {e}")
         return None
-    ids = bridge.encode(full[len(prompt):])
-    stop = next((j for j, t in enumerate(ids) if t in bridge.format.stop_ids), None)
-    if stop is None:
-        out.note(f"call {i + 1}: the template ends an assistant tool call with no stop id "
-                 f"({full[len(prompt):][-40:]!r}): the engine would not stop there")
-        return None
-    return ids[:stop + 1]
 
 
 def _body_text(tokenizer: Any, completion: list[int]) -> str:

@@ -4,7 +4,10 @@ The text is tokenized with the (byte-level) tokenizer and, unless it ends on a s
 gpt-oss tool call written with its closing ``<|call|>``), the chat format's first stop id appended
 (its end-of-turn token: ``<|im_end|>`` for the built-in tokenizer, ``<|eot_id|>`` for Llama 3;
 ``<|return|>`` for gpt-oss, whose ``<|end|>`` only closes a message), so the result looks exactly like
-a sampled assistant turn.
+a sampled assistant turn. Scripts write tool calls in legorl's syntax (``<tool_call>`` JSON blocks, as the
+scripted teacher does); for a policy whose family writes calls otherwise (``llama3_json``, ``mistral``,
+``harmony``...), a script's reply with calls is written by the policy's own chat template instead
+(`legorl.models.replies.reply_ids`), so a demonstration shows the syntax the policy samples and the proxy reads.
 Results are marked ``sampled_from_policy=False``: usable for SFT, never for policy gradient.
 
 Each rollout it serves plays its own script (`set_script`, given when the rollout's session is
@@ -13,6 +16,7 @@ opened: the scripted teacher's per-task demonstration), or else the engine's def
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +26,29 @@ from transformers import PreTrainedTokenizerBase
 from legorl.engine.base import EngineError, Weights, no_conversations
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
+from legorl.models.replies import reply_ids
+from legorl.models.toolformats import PARSERS, ParsedReply
+from legorl.models.toolformats.tagged import TaggedJsonParser
 from legorl.records import GenerationResult, SamplingParams
 
 ScriptFn = Callable[[int, list[int]], str]  # (call index within the rollout, prompt ids) -> text
 Script = list[str] | ScriptFn
+_PROBE = [{"role": "user", "content": "Fix the bug."}]  # what a rewritten reply follows (its render ignores it)
+
+
+def _probe_tools(parsed: ParsedReply) -> list[dict[str, Any]]:
+    """A schema for each tool the reply calls (templates that render calls may look the tool up)."""
+    names = {c.name: c.arguments for c in parsed.calls}
+    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+        k: {"type": "string"} for k in _keys(args)}}}} for name, args in names.items()]
+
+
+def _keys(arguments: str) -> list[str]:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return []
+    return list(value) if isinstance(value, dict) else []
 
 
 class ScriptedEngine:
@@ -38,6 +61,9 @@ class ScriptedEngine:
         self._weight_version = 0
         self._max_context = max_context
         fmt = chat_format if chat_format is not None else read_chat_format(tokenizer)
+        self._format = fmt
+        # scripts write calls in legorl's <tool_call> syntax: rewritten for a family that writes them otherwise
+        self._rewrite = PARSERS.get(fmt.tool_format) is not TaggedJsonParser
         self.stop_ids = frozenset(fmt.stop_ids)
         self._closer = fmt.stop_ids[0]  # what a sampled turn ends on: the end of turn, gpt-oss's <|return|>
         self._default = script
@@ -88,9 +114,7 @@ class ScriptedEngine:
         else:
             raise EngineError(f"script exhausted for rollout {rollout_id} after {len(script)} calls")
         self._calls[rollout_id] = i + 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids or ids[-1] not in self.stop_ids:
-            ids.append(self._closer)
+        ids = self._ids(text)
         return GenerationResult(
             completion_ids=ids,
             logprobs=[0.0] * len(ids),
@@ -98,6 +122,20 @@ class ScriptedEngine:
             weight_version=self._weight_version,
             sampled_from_policy=False,
         )
+
+    def _ids(self, text: str) -> list[int]:
+        """The ids a sampled turn of `text` has: in the policy's own call syntax, closed by a stop id."""
+        if self._rewrite:
+            parsed = TaggedJsonParser().parse(text)
+            if parsed.calls and parsed.malformed is None:
+                reply = {"role": "assistant", "content": parsed.content, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.calls]}
+                return reply_ids(self.tokenizer, self._format, _PROBE, _probe_tools(parsed), reply)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids or ids[-1] not in self.stop_ids:
+            ids.append(self._closer)
+        return ids
 
     async def generate_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                             params: SamplingParams, *, rollout_id: str = "") -> GenerationResult:

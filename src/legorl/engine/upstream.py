@@ -1,10 +1,10 @@
 """`engine: upstream`: any OpenAI-compatible chat endpoint as a teacher, for data collection.
 
 The proxy hands this engine the conversation (not token ids: a hosted model takes messages).
-Its answer is written in the policy's own assistant format (content, then one `<tool_call>`
-block per call, exactly as the chat template renders them) and tokenized with the policy's
-tokenizer. The tokens were not sampled from the policy, so the result is marked
-`sampled_from_policy=False`: usable for SFT, never for policy gradient (logprobs are 0.0).
+Its answer becomes the ids the policy would sample for it: the policy's chat template writes the
+reply after the conversation, in the policy family's own tool-call syntax, up to its stop id
+(`legorl.models.replies.reply_ids`). The tokens were not sampled from the policy, so the result is
+marked `sampled_from_policy=False`: usable for SFT, never for policy gradient (logprobs are 0.0).
 """
 
 from __future__ import annotations
@@ -15,20 +15,10 @@ from typing import Any
 import httpx
 
 from legorl.engine.base import EngineError, Weights
-from legorl.models.chat_format import ChatFormat
+from legorl.models.chat_format import ChatFormat, ChatFormatError
 from legorl.models.chat_format import chat_format as read_chat_format
-from legorl.models.tokenizer import render_tool_call_text
+from legorl.models.replies import reply_ids
 from legorl.records import GenerationResult, SamplingParams
-
-
-def assistant_text(content: str | None, tool_calls: list[dict[str, Any]]) -> str:
-    """The assistant turn as the built-in chat template renders it (without the end-of-turn token)."""
-    blocks = [render_tool_call_text(c["function"]["name"], c["function"].get("arguments") or "{}")
-              for c in tool_calls]
-    text = content or ""
-    for i, block in enumerate(blocks):
-        text += ("\n" if text or i else "") + block
-    return text
 
 
 class UpstreamEngine:
@@ -40,8 +30,7 @@ class UpstreamEngine:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.tok = tokenizer
-        # a complete answer ends as a sampled turn does: with the policy's end-of-turn token
-        self.end_of_turn_id = (chat_format if chat_format is not None else read_chat_format(tokenizer)).end_of_turn_id
+        self.format = chat_format if chat_format is not None else read_chat_format(tokenizer)
         key = api_key if api_key is not None else os.environ.get("LEGORL_UPSTREAM_API_KEY", "")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -83,13 +72,17 @@ class UpstreamEngine:
         try:
             choice = r.json()["choices"][0]
             message = choice["message"]
-            text = assistant_text(message.get("content"), message.get("tool_calls") or [])
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise EngineError(f"upstream {self.url} sent a malformed answer: {type(e).__name__}: {e}") from None
+            reply = {"role": "assistant", "content": message.get("content"), "tool_calls": message.get("tool_calls")}
+            if not (reply["content"] or reply["tool_calls"]):
+                raise EngineError(f"upstream {self.url} sent an empty answer")
+            ids = reply_ids(self.tok, self.format, messages, tools, reply)  # as the policy would sample it
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            what = "an answer the policy's template cannot write" if isinstance(e, ChatFormatError) else \
+                "a malformed answer"
+            raise EngineError(f"upstream {self.url} sent {what}: {type(e).__name__}: {e}") from None
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        ids = self.tok.encode(text, add_special_tokens=False) + ([self.end_of_turn_id] if finish == "stop" else [])
-        if not ids:
-            raise EngineError(f"upstream {self.url} sent an empty answer")
+        if finish == "length":  # cut off: no stop id was sampled
+            ids = ids[:-1]
         return GenerationResult(completion_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish,
                                 weight_version=0, sampled_from_policy=False)
 

@@ -32,68 +32,21 @@ from typing import Any
 
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
+from legorl.models.replies import args_value, call_function, content_text, template_messages
 from legorl.proxy.reasoning import REASONING_DROPPED
 from legorl.records import ToolCall
-
-
-def content_text(content: Any) -> str:
-    """Message content as text: a string, None, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
-
-
-def _args_value(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-def _fn(call: Any) -> dict[str, Any]:
-    if not isinstance(call, dict):
-        return {}
-    fn = call.get("function")
-    return fn if isinstance(fn, dict) else {}
 
 
 def normalize_message(msg: dict[str, Any]) -> tuple:
     """A comparable key for a message: what matters for the model's view of it."""
     calls = tuple(
-        (_fn(c).get("name"), json.dumps(_args_value(_fn(c).get("arguments")), sort_keys=True))
+        (call_function(c).get("name"), json.dumps(args_value(call_function(c).get("arguments")), sort_keys=True))
         for c in (msg.get("tool_calls") or [])
     )
     text = content_text(msg.get("content"))
     if msg.get("role") == "assistant":
         text = text.strip()
     return (msg.get("role"), text, calls, msg.get("tool_call_id") or None)
-
-
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages in the shape the chat template expects (text content, parsed arguments)."""
-    out = []
-    for m in messages:
-        t: dict[str, Any] = {"role": m.get("role"), "content": content_text(m.get("content"))}
-        if m.get("tool_calls"):
-            t["tool_calls"] = [
-                {"type": "function",
-                 "function": {"name": _fn(c).get("name"), "arguments": _args_value(_fn(c).get("arguments"))}}
-                for c in m["tool_calls"]
-            ]
-        if m.get("reasoning_content"):  # reasoning the harness sent back: templates that keep it render it
-            t["reasoning_content"] = m["reasoning_content"]
-        if m.get("tool_call_id"):
-            t["tool_call_id"] = m["tool_call_id"]
-        if m.get("name"):
-            t["name"] = m["name"]
-        out.append(t)
-    return out
 
 
 def reply_message(content: str | None, tool_calls: list[ToolCall], reasoning: str | None = None) -> dict[str, Any]:
@@ -184,7 +137,7 @@ def schema_defaults(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
     """Per tool, the argument defaults its JSON schema declares (harnesses fill them into echoed calls)."""
     out: dict[str, dict[str, Any]] = {}
     for t in tools or []:
-        fn = _fn(t)
+        fn = call_function(t)
         props = (fn.get("parameters") or {}).get("properties") if isinstance(fn.get("parameters"), dict) else None
         if isinstance(props, dict):
             d = {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
