@@ -27,6 +27,11 @@ SHOTS = ROOT / "test-artifacts" / "dashboard"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
 
+# each page and what it shows once its data arrived, whatever the phase (an empty table says so)
+LIVE_PAGES = [("/", "#phase-label"), ("/rollouts", "#rollouts-table"), ("/tasks", "#task-grid, #grid p"),
+              ("/failures", "#taxonomy-table, #taxonomy p"), ("/behaviour", "#bnote:not(:empty)"),
+              ("/alarms", "#thresholds:not(:empty)")]
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
                        reason="playwright is not installed (pip install -e '.[dev]', or make setup-test)"),
@@ -73,11 +78,10 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Path:
                     phases.append(p["phase"])
                     assert p["label"] and p["phase_elapsed_s"] >= 0
                     url = re.search(r"dashboard: (http://\S+)", (run.parent / "train.log").read_text())
-                    if url and p["phase"] != "done":  # the page, rendered while the run writes
-                        live.goto(url.group(1).rstrip("/") + "/")
-                        live.wait_for_selector("#phase-label")
-                        live.goto(url.group(1).rstrip("/") + "/tasks")
-                        live.wait_for_selector("#task-grid, #grid p")
+                    if url and p["phase"] != "done":  # every page, rendered while the run writes
+                        for path, drawn in LIVE_PAGES:
+                            live.goto(url.group(1).rstrip("/") + path)
+                            live.wait_for_selector(drawn)
                         live_pages.append(p["phase"])
                 live_checks += 1
         if proc.poll() is None:
