@@ -248,8 +248,8 @@ def test_cli_command(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "has no store.sqlite" in r.output
 
 
-def test_the_time_left_is_estimated_from_measured_phase_times() -> None:
-    from legorl.monitor.progress import estimate
+def test_the_time_left_is_estimated_from_measured_phase_times(tmp_path: Path) -> None:
+    from legorl.monitor.progress import estimate, read_progress
 
     planned = ["demonstrations", "sft", "eval_before_rl", "rl", "eval_after_rl"]
     base = {"planned": planned, "steps": 10, "mode": "sync", "phase_started": 1000.0}
@@ -270,6 +270,16 @@ def test_the_time_left_is_estimated_from_measured_phase_times() -> None:
                  steps_done=10, now=1030.0)
     assert p["time_left_s"] == 90.0
     assert estimate({**base, "phase": "done", "phase_times_s": {}}, steps_done=10)["time_left_s"] is None
+    # asynchronous: the lag of the last batch trained, as the driver records it
+    from legorl.monitor.progress import RunProgress
+
+    progress = RunProgress(tmp_path, steps=10, planned=planned, mode="async")
+    progress.enter("rl", {})
+    progress.lag({"async/staleness/0": 30.0, "async/staleness/1": 10.0, "async/staleness/2": 2.0,
+                  "async/dropped": 2.0, "reward/mean": 0.5}, ahead=1)
+    label = estimate(read_progress(tmp_path), steps_done=4)["label"]
+    assert label == ("RL step 5 of 10 (asynchronous: 1 step(s) sampled ahead; the last batch trained was 0.33 "
+                     "versions behind on average, at most 2, 2 rollouts dropped)"), label
 
 
 def test_task_families_from_ids() -> None:

@@ -609,6 +609,8 @@ class Driver:
                         pending[s] = asyncio.create_task(self.batch(s))
                 self.progress.at_step(step)
                 r = await self.step(step, pending.pop(step))
+                if self.cfg.rollout.mode == "async":
+                    self.progress.lag(r.metrics, ahead)
                 if every and (step + 1) % every == 0 and step + 1 < last:
                     # no update comes while it runs (updates come from this loop), so every eval
                     # call sees one version, whatever the batches being sampled beside it

@@ -51,6 +51,15 @@ class RunProgress:
         self.state["step"] = step
         self.write(force=True)
 
+    def lag(self, metrics: dict[str, float], ahead: int) -> None:
+        """Asynchronous RL: how many steps are sampled ahead of the trainer, and how stale the batch it just
+        trained was (`async/staleness/N` rollouts N versions behind it; `async/dropped` beyond max_staleness)."""
+        hist = {int(k.rsplit("/", 1)[1]): v for k, v in metrics.items() if k.startswith("async/staleness/")}
+        n = sum(hist.values())
+        self.state["lag"] = {"ahead": ahead, "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+                             "max": max(hist, default=0), "dropped": int(metrics.get("async/dropped", 0))}
+        self.write(force=True)
+
     def finish(self, phase_times: dict[str, float]) -> None:
         self.state.update(phase="done", phase_times_s=dict(phase_times), done=0, total=0)
         self.write(force=True)
@@ -91,7 +100,10 @@ def estimate(p: dict[str, Any], steps_done: int | None = None, now: float | None
         left = elapsed / max(first_done, 1) * (steps - steps_done) if steps_done and first_done > 0 else None
         label = f"RL step {min(steps_done + 1, steps)} of {steps}"
         if p.get("mode") == "async":
-            label += " (asynchronous: the next steps sample while it trains)"
+            lag = p.get("lag")
+            label += (f" (asynchronous: {lag['ahead']} step(s) sampled ahead; the last batch trained was "
+                      f"{lag['mean']:.2f} versions behind on average, at most {lag['max']}, {lag['dropped']} "
+                      "rollouts dropped)" if lag else " (asynchronous: the next steps sample while it trains)")
     else:
         done, total = int(p.get("done") or 0), int(p.get("total") or 0)
         share = done / total if total else None
