@@ -193,6 +193,10 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     assert {"0 behind", "1 behind", "dropped"} <= names
     assert charts["dropped_by_family"]["series"] and charts["staleness"]["x"] == [0, 1, 2, 3]
     assert "waiting for rollouts" in {s["name"] for s in charts["time"]["series"]}
+    # the progress file the banner reads: the lag of the last batch trained
+    lag = json.loads((run_dir / "progress.json").read_text())["lag"]
+    last = {int(k.rsplit("/", 1)[1]): v for k, v in metrics[-1].items() if k.startswith("async/staleness/")}
+    assert lag["ahead"] == 1 and lag["max"] == max(last) and lag["dropped"] == 0
 
 
 def test_requests_that_arrive_with_an_update_are_all_served(tok) -> None:
