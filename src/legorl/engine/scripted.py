@@ -16,7 +16,6 @@ opened: the scripted teacher's per-task demonstration), or else the engine's def
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from legorl.engine.base import EngineError, Weights, no_conversations
 from legorl.models.chat_format import ChatFormat
 from legorl.models.chat_format import chat_format as read_chat_format
-from legorl.models.replies import reply_ids
+from legorl.models.replies import args_value, reply_ids
 from legorl.models.toolformats import PARSERS, ParsedReply
 from legorl.models.toolformats.tagged import TaggedJsonParser
 from legorl.records import GenerationResult, SamplingParams
@@ -37,18 +36,14 @@ _PROBE = [{"role": "user", "content": "Fix the bug."}]  # what a rewritten reply
 
 
 def _probe_tools(parsed: ParsedReply) -> list[dict[str, Any]]:
-    """A schema for each tool the reply calls (templates that render calls may look the tool up)."""
-    names = {c.name: c.arguments for c in parsed.calls}
-    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
-        k: {"type": "string"} for k in _keys(args)}}}} for name, args in names.items()]
-
-
-def _keys(arguments: str) -> list[str]:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return []
-    return list(value) if isinstance(value, dict) else []
+    """A schema for each tool the reply calls (a template may look a call's tool up)."""
+    tools = {}
+    for c in parsed.calls:
+        args = args_value(c.arguments)
+        properties = {k: {"type": "string"} for k in (args if isinstance(args, dict) else {})}
+        tools[c.name] = {"type": "function", "function": {"name": c.name, "parameters": {
+            "type": "object", "properties": properties}}}
+    return list(tools.values())
 
 
 class ScriptedEngine:
