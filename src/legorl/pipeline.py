@@ -19,10 +19,11 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -64,6 +65,7 @@ from legorl.train.schedule import LRSchedule
 from legorl.train.sequences import build_sequences, merge_stats
 from legorl.train.trainer import Trainer
 
+T = TypeVar("T")
 console = Console(stderr=True)
 transformers.utils.logging.disable_progress_bar()  # the run has its own progress display
 
@@ -165,6 +167,10 @@ class Driver:
         self.label = f"legorl-{self.run_dir.name}"
         self._sock_dir = Path(tempfile.mkdtemp(prefix="legorl-"))  # short path: sun_path is 108 bytes
         self._family_counts: dict[str, tuple[int, int]] | None = None  # rollout.prioritize
+        # Every trainer pass runs on this one thread. glibc gives each thread its own malloc arena and keeps
+        # what a step freed there for that thread: steps on the default executor's threads in turn held one
+        # step's peak per thread (SmolLM2's SFT grew ~2 GB an update, to an out-of-memory kill at 24 GB).
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="legorl-trainer")
 
     async def __aenter__(self) -> Driver:
         cfg = self.cfg
@@ -280,13 +286,17 @@ class Driver:
         if found:
             # A KL set only now (run extended with trainer.kl_coef) anchors to the warm start, as in a fresh run.
             warm = sft if (sft / "trainer_state.pt").is_file() else None
-            await asyncio.to_thread(self.trainer.load, found[1], warm)
+            await self.on_trainer_thread(self.trainer.load, found[1], warm)
             version = self.store.step_metrics(last).get("weight_version")  # keeps version stamps continuous
             await self.engine.update_weights(self.trainer.state_dict_for_engine(),
                                              int(version) if version is not None else None)
         changes = self.store.prepare_resume(last)
         self.first_step = last + 1
         console.print(f"resuming after step {last}: {changes}")
+
+    async def on_trainer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the trainer's own thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, functools.partial(fn, *args))
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -312,6 +322,7 @@ class Driver:
                 console.print(f"[yellow]while shutting down: {type(e).__name__}: {e}")
         await reap_sandboxes(self.cfg.sandbox, self.run_dir / "sandboxes", self.label)
         shutil.rmtree(self._sock_dir, ignore_errors=True)
+        self._trainer_thread.shutdown(wait=False)
 
     # ---- one step -------------------------------------------------------------------------------
     def tasks_for_step(self, step: int) -> list[Task]:
@@ -436,7 +447,7 @@ class Driver:
                                                        self.cfg.rollout.max_staleness, families)
         seqs, seq_metrics, trained = self.sequences(rollouts)
         t1 = time.time()
-        train_metrics = await asyncio.to_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
+        train_metrics = await self.on_trainer_thread(self.trainer.train_step, seqs) if seqs else {"train/skipped": 1.0}
         t_train = time.time() - t1
         t2 = time.time()
         state = self.trainer.state_dict_for_engine()
@@ -458,7 +469,7 @@ class Driver:
         metrics.update({"time/rollout_s": b.seconds, "time/wait_s": t_wait, "time/train_s": t_train,
                         "time/sync_s": t_sync, "time/step_s": time.time() - t0, "weight_version": float(version)})
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
-            await asyncio.to_thread(self.save_checkpoint, f"step-{step:05d}")
+            await self.on_trainer_thread(self.save_checkpoint, f"step-{step:05d}")
         metrics.update(self.alarms.metrics(self.alarms.update(step, metrics, rollouts)))
         self.store.add_trained(step, trained)
         self.store.add_step(step, metrics)  # after the checkpoint: a recorded step is never redone
@@ -541,7 +552,7 @@ class Driver:
                 lr = c.lr * schedule.factor(len(losses))
                 for group in self.trainer.optimizer.param_groups:
                     group["lr"] = lr
-                m = await asyncio.to_thread(self.trainer.sft_step, batch)
+                m = await self.on_trainer_thread(self.trainer.sft_step, batch)
                 losses.append(m["sft/loss"])
                 progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
                 self.progress.tick()
@@ -652,7 +663,7 @@ class Driver:
                 demos = await self.collect_demos(self.cfg.sft.demos)
             with phase("sft"):
                 summary["sft"] = await self.sft(demos)
-                await asyncio.to_thread(self.save_checkpoint, "sft")
+                await self.on_trainer_thread(self.save_checkpoint, "sft")
             save()
             console.print(f"SFT on {int(summary['sft']['sft/sequences'])} demonstration sequences: "
                           f"loss {summary['sft']['sft/first_loss']:.3f} -> {summary['sft']['sft/last_loss']:.3f}")
