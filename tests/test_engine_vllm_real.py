@@ -75,17 +75,23 @@ def engine(real_vllm: RealVLLM, tokenizer=None, **kwargs: Any) -> VLLMEngine:
 
 
 def test_group_cpu_s_counts_a_process_group() -> None:
-    """The benchmarks' CPU count of a server's process tree: this test's own group has used some CPU."""
-    import os
-    import time
+    """The benchmarks' CPU count of a server's process tree: a process leading a group of its own, which spun
+    0.2 CPU-s, shows at least that (the test's own group would not do: test subprocesses that exit take their
+    CPU-s with them)."""
+    import subprocess
+    import sys
 
     from legorl.engine.vllm_server import group_cpu_s
 
-    before = group_cpu_s(os.getpgid(0))
-    end = time.process_time() + 0.05
-    while time.process_time() < end:
-        pass
-    assert group_cpu_s(os.getpgid(0)) - before >= 0.03
+    spin = ("import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end:\n    pass\n"
+            "print('spun', flush=True)\ntime.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "spun"
+        assert group_cpu_s(child.pid) >= 0.2
+    finally:
+        child.kill()
+        child.wait()
     assert group_cpu_s(2**22 + 12345) == 0  # no such group
 
 
