@@ -44,7 +44,8 @@ def docker_reason() -> str | None:
     host = docker_host()
     reason = docker_unavailable(docker_host=host)
     if reason and not os.environ.get("DOCKER_HOST") and shutil.which("podman"):
-        p = subprocess.run(["bash", str(SCRIPT), "service"], capture_output=True, text=True, timeout=120,
+        # a podman service starts in seconds alone, but took over 120 s beside a training run and the suite
+        p = subprocess.run(["bash", str(SCRIPT), "service"], capture_output=True, text=True, timeout=300,
                            check=False, env={k: v for k, v in os.environ.items() if k != "DOCKER_HOST"})  # fmt: skip
         reason = docker_unavailable(docker_host=host) if p.returncode == 0 else f"{reason}; {p.stderr[-300:]}"
     return reason or docker_unavailable(docker_host=host, image=SandboxConfig().image)
