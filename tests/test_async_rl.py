@@ -156,7 +156,15 @@ def test_token_versions_survive_the_store(tmp_path) -> None:
     assert got[0].versions() == [7, 7, 8] and got[1].versions() == [8]
 
 
-def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir) -> None:
+def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir, monkeypatch) -> None:
+    import threading
+
+    from legorl.train.trainer import Trainer
+
+    threads: list[str] = []  # every step on the trainer's one thread (glibc keeps a freed peak per thread)
+    step_fn = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step",
+                        lambda self, seqs: threads.append(threading.current_thread().name) or step_fn(self, seqs))
     run_dir = tmp_path / "async"
     cfg = load_config(None, [
         f"run.cache_dir={cache_dir}", "run.steps=4", "model.hidden_size=64", "model.num_layers=2",
@@ -167,6 +175,7 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
     assert summary["steps"] == 4
+    assert len(threads) == 4 and set(threads) == {"legorl-trainer_0"}, threads
     con = sqlite3.connect(run_dir / "store.sqlite")
     metrics = [json.loads(r[0]) for r in con.execute("SELECT metrics_json FROM steps ORDER BY step")]
     assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4]
