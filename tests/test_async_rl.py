@@ -206,6 +206,7 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
     lag = json.loads((run_dir / "progress.json").read_text())["lag"]
     last = {int(k.rsplit("/", 1)[1]): v for k, v in metrics[-1].items() if k.startswith("async/staleness/")}
     assert lag["ahead"] == 1 and lag["max"] == max(last) and lag["dropped"] == 0
+    assert lag["mean"] == sum(k * v for k, v in last.items()) / sum(last.values())
 
 
 def test_requests_that_arrive_with_an_update_are_all_served(tok) -> None:

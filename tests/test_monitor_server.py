@@ -275,8 +275,8 @@ def test_the_time_left_is_estimated_from_measured_phase_times(tmp_path: Path) ->
 
     progress = RunProgress(tmp_path, steps=10, planned=planned, mode="async")
     progress.enter("rl", {})
-    progress.lag({"async/staleness/0": 30.0, "async/staleness/1": 10.0, "async/staleness/2": 2.0,
-                  "async/dropped": 2.0, "reward/mean": 0.5}, ahead=1)
+    progress.lag({"async/staleness_mean": 14 / 42, "async/staleness_max": 2.0, "async/dropped": 2.0,
+                  "reward/mean": 0.5}, ahead=1)
     label = estimate(read_progress(tmp_path), steps_done=4)["label"]
     assert label == ("RL step 5 of 10 (asynchronous: 1 step(s) sampled ahead; the last batch trained was 0.33 "
                      "versions behind on average, at most 2, 2 rollouts dropped)"), label

@@ -122,9 +122,11 @@ def staleness_filter(rollouts: list[Rollout], version: int, max_staleness: int,
     kept: list[Rollout] = []
     m: dict[str, float] = {"async/dropped": 0.0, "async/calls_across_update": 0.0}
     by_family: dict[str, list[bool]] = {}
+    lags: list[int] = []
     for r in rollouts:
         oldest = oldest_version(r)
         lag = version - oldest if oldest is not None else 0
+        lags.append(lag)
         m[f"async/staleness/{lag}"] = m.get(f"async/staleness/{lag}", 0.0) + 1
         m["async/calls_across_update"] += sum(c.token_versions is not None for c in r.calls)
         stale = lag > max_staleness and r.reward is not None
@@ -134,6 +136,8 @@ def staleness_filter(rollouts: list[Rollout], version: int, max_staleness: int,
         else:
             kept.append(r)
     m.update({f"async/dropped_share/{f}": sum(d) / len(d) for f, d in by_family.items()})
+    m["async/staleness_mean"] = sum(lags) / len(lags) if lags else 0.0  # the dashboard banner's lag
+    m["async/staleness_max"] = float(max(lags, default=0))
     return kept, m
 
 

@@ -32,6 +32,7 @@ from legorl.records import GenerationResult, SamplingParams
 
 ScriptFn = Callable[[int, list[int]], str]  # (call index within the rollout, prompt ids) -> text
 Script = list[str] | ScriptFn
+_LEGORL_SYNTAX = TaggedJsonParser()  # what scripts write calls in
 _PROBE = [{"role": "user", "content": "Fix the bug."}]  # what a rewritten reply follows (its render ignores it)
 
 
@@ -121,7 +122,7 @@ class ScriptedEngine:
     def _ids(self, text: str) -> list[int]:
         """The ids a sampled turn of `text` has: in the policy's own call syntax, closed by a stop id."""
         if self._rewrite:
-            parsed = TaggedJsonParser().parse(text)
+            parsed = _LEGORL_SYNTAX.parse(text)
             if parsed.calls and parsed.malformed is None:
                 reply = {"role": "assistant", "content": parsed.content, "tool_calls": [
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

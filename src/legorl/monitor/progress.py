@@ -53,11 +53,11 @@ class RunProgress:
 
     def lag(self, metrics: dict[str, float], ahead: int) -> None:
         """Asynchronous RL: how many steps are sampled ahead of the trainer, and how stale the batch it just
-        trained was (`async/staleness/N` rollouts N versions behind it; `async/dropped` beyond max_staleness)."""
-        hist = {int(k.rsplit("/", 1)[1]): v for k, v in metrics.items() if k.startswith("async/staleness/")}
-        n = sum(hist.values())
-        self.state["lag"] = {"ahead": ahead, "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
-                             "max": max(hist, default=0), "dropped": int(metrics.get("async/dropped", 0))}
+        trained was (the step's `async/staleness_mean` / `_max` versions behind it; `async/dropped` beyond
+        max_staleness)."""
+        self.state["lag"] = {"ahead": ahead, "mean": metrics.get("async/staleness_mean", 0.0),
+                             "max": int(metrics.get("async/staleness_max", 0)),
+                             "dropped": int(metrics.get("async/dropped", 0))}
         self.write(force=True)
 
     def finish(self, phase_times: dict[str, float]) -> None:
