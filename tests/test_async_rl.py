@@ -156,6 +156,15 @@ def test_token_versions_survive_the_store(tmp_path) -> None:
     assert got[0].versions() == [7, 7, 8] and got[1].versions() == [8]
 
 
+def test_the_machines_busy_share_is_busy_over_total_ticks() -> None:
+    from legorl.pipeline import machine_busy_share, machine_cpu_ticks
+
+    assert machine_busy_share((10, 100), (40, 160)) == {"time/machine_busy_share": 0.5}
+    assert machine_busy_share(None, (40, 160)) == {} and machine_busy_share((10, 100), (10, 100)) == {}
+    busy, total = machine_cpu_ticks()
+    assert 0 < busy < total
+
+
 def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir, monkeypatch) -> None:
     import threading
 
@@ -183,6 +192,7 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
         lags = {int(k.rsplit("/", 1)[1]) for k in m if k.startswith("async/staleness/")}
         assert lags and max(lags) <= 1 and m["async/dropped"] == 0
         assert m["time/wait_s"] <= m["time/step_s"]
+        assert 0 < m["time/machine_busy_share"] <= 1  # the whole machine's CPU over the step (/proc/stat)
     # steps 1..3 began sampling before the step before them had trained: some of their tokens are 1 version old
     assert any(m.get("async/staleness/1", 0) > 0 for m in metrics[1:])
     # each rollout trained at most once, and only in the step it was sampled for

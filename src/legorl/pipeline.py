@@ -440,7 +440,7 @@ class Driver:
     async def step(self, step: int, batch: Awaitable[Batch] | None = None) -> StepResult:
         """Train on step `step`'s batch (sampled now, or `batch`: already being sampled, asynchronous RL), then
         update the engine."""
-        t0 = time.time()
+        t0, cpu0 = time.time(), machine_cpu_ticks()
         b = await (batch if batch is not None else self.batch(step))
         t_wait = time.time() - t0  # synchronous: the whole rollout phase; asynchronous: the trainer's idle wait
         rollouts, async_metrics = b.rollouts, {}
@@ -472,6 +472,7 @@ class Driver:
         metrics.update(train_metrics)
         metrics.update({"time/rollout_s": b.seconds, "time/wait_s": t_wait, "time/train_s": t_train,
                         "time/sync_s": t_sync, "time/step_s": time.time() - t0, "weight_version": float(version)})
+        metrics.update(machine_busy_share(cpu0, machine_cpu_ticks()))
         if self.cfg.run.checkpoint_every and (step + 1) % self.cfg.run.checkpoint_every == 0:
             await self.on_trainer_thread(self.save_checkpoint, f"step-{step:05d}")
         metrics.update(self.alarms.metrics(self.alarms.update(step, metrics, rollouts)))
@@ -748,6 +749,25 @@ def eval_line(name: str, m: dict[str, float]) -> str:
     harnesses = {k.split("/")[2]: v for k, v in m.items() if k.count("/") == 3 and k.endswith("/pass_at_1")}
     each = "  " + ", ".join(f"{h} {v:.3f}" for h, v in harnesses.items()) if len(harnesses) > 1 else ""
     return f"{name}: pass@1 {p1:.3f}  [{outcomes}]{each}"
+
+
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine so far, all cores, from /proc/stat (Linux; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    total = user + nice + system + idle + iowait + irq + softirq + steal
+    return total - idle - iowait, total
+
+
+def machine_busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> dict[str, float]:
+    """The machine's CPU busy share between two `machine_cpu_ticks` readings: a step at ~1.0 is bound by the
+    cores themselves (overlapping rollouts and training cannot make it faster, only less work can)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return {}
+    return {"time/machine_busy_share": (after[0] - before[0]) / (after[1] - before[1])}
 
 
 def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float]:
