@@ -170,21 +170,26 @@ def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_pa
 
     from legorl.train.trainer import Trainer
 
-    threads: list[str] = []  # every step on the trainer's one thread (glibc keeps a freed peak per thread)
+    import torch
+
+    threads: list[tuple[str, int]] = []  # every step on the trainer's one thread (glibc keeps a freed peak per thread)
     step_fn = Trainer.train_step
-    monkeypatch.setattr(Trainer, "train_step",
-                        lambda self, seqs: threads.append(threading.current_thread().name) or step_fn(self, seqs))
+    monkeypatch.setattr(Trainer, "train_step", lambda self, seqs: threads.append(
+        (threading.current_thread().name, torch.get_num_threads())) or step_fn(self, seqs))
+    main_threads = torch.get_num_threads()
     run_dir = tmp_path / "async"
     cfg = load_config(None, [
         f"run.cache_dir={cache_dir}", "run.steps=4", "model.hidden_size=64", "model.num_layers=2",
         "model.intermediate_size=128", "sampling.max_tokens=48", "harness.step_limit=4", "tasks.n_train=8",
         "tasks.n_heldout=1", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.concurrency=8",
         "rollout.mode=async", "rollout.max_staleness=1", "sft.enabled=false", "eval.before_training=false",
-        "eval.after_training=false", "eval.every=2",
+        "eval.after_training=false", "eval.every=2", "trainer.torch_threads=1",
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
     assert summary["steps"] == 4
-    assert len(threads) == 4 and set(threads) == {"legorl-trainer_0"}, threads
+    # trainer.torch_threads holds on the trainer's thread only: the engine's and the main thread's keep theirs
+    assert len(threads) == 4 and set(threads) == {("legorl-trainer_0", 1)}, threads
+    assert torch.get_num_threads() == main_threads
     con = sqlite3.connect(run_dir / "store.sqlite")
     metrics = [json.loads(r[0]) for r in con.execute("SELECT metrics_json FROM steps ORDER BY step")]
     assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4]

@@ -433,6 +433,9 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     autocast: Literal["bf16"] | None = None
+    # torch intra-op threads on the trainer's own thread (0: the process's, engine.torch_threads or torch's
+    # default). Asynchronous RL on a few cores: 1 leaves the other cores to the engine sampling beside it.
+    torch_threads: int = Field(0, ge=0)
     gradient_checkpointing: bool = False
     # Rollouts of a group share their first prompt (a harness's system prompt, tools and the task):
     # forward it once per group and let the continuations attend to it. Exact: the prefix's gradient

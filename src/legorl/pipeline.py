@@ -174,7 +174,11 @@ class Driver:
         # Every trainer pass runs on this one thread. glibc gives each thread its own malloc arena and keeps
         # what a step freed there for that thread: steps on the default executor's threads in turn held one
         # step's peak per thread (SmolLM2's SFT grew ~2 GB an update, to an out-of-memory kill at 24 GB).
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="legorl-trainer")
+        # torch's thread count set on a thread other than the main one holds for that thread only
+        threads = cfg.trainer.torch_threads
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="legorl-trainer",
+                                                  initializer=torch.set_num_threads if threads else None,
+                                                  initargs=(threads,) if threads else ())
 
     async def __aenter__(self) -> Driver:
         cfg = self.cfg
