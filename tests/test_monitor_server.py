@@ -288,3 +288,20 @@ def test_task_families_from_ids() -> None:
     assert family_of("builtin-wrong_return-3b1a418b43") == "wrong_return"
     assert family_of("astropy__astropy-12907") == "astropy__astropy"
     assert family_of("pkg-attrs-evolve") == "pkg-attrs"
+
+
+@pytest.mark.parametrize("advantage, fires", [("grpo", True), ("reinforce", False)])
+def test_the_zero_variance_alarm_counts_groups_as_the_runs_advantage_trains_them(
+        tmp_path: Path, advantage: str, fires: bool) -> None:
+    """Three all-resolved groups and one all-failed: none trains under grpo, three under reinforce (SFT on
+    their successes), so the dashboard's alarm (default threshold 50 %) fires for grpo only."""
+    store = Store(tmp_path / "store.sqlite")
+    store.add_run("r", {"trainer": {"advantage": advantage}})
+    for g, reward in enumerate([1.0, 1.0, 1.0, 0.0]):
+        for i in range(2):
+            store.upsert_rollout(Rollout(
+                id=f"g{g}-{i}", step=0, task_id=f"t{g}", group_id=f"g{g}", sample_index=i, harness="mini-swe-agent",
+                split="train", outcome=Outcome.RESOLVED if reward else Outcome.UNRESOLVED, reward=reward))
+    store.add_step(0, {"outcomes/resolved": 6.0, "outcomes/unresolved": 2.0})
+    alarms = TestClient(create_app(tmp_path), base_url=LOCAL).get("/api/alarms").json()["alarms"]
+    assert any(a["name"] == "zero_variance_groups" for a in alarms) is fires, alarms

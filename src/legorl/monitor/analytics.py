@@ -334,14 +334,17 @@ class AlarmBoard:
     def series(self) -> alarm_mod.Series:
         cfg = self.cfg
         groups = self.db.group_stats()
+        # which groups train nothing depends on the advantage (train/advantages.py, carries_signal): under
+        # reinforce an all-resolved group trains (SFT on its successes), only an all-failed one does not
+        reinforce = self.db.run_info()["config"].get("trainer", {}).get("advantage") == "reinforce"
         need_tools = not any(cfg.tool_metric in m for _, _, m in self.db.steps())
         behaviour = self.cache.per_step() if need_tools and cfg.tool_metric.startswith("behaviour/") else {}
         s = alarm_mod.Series()
         for step, _, m in self.db.steps():
             values = alarm_mod.derived(m, cfg)
             if step in groups and alarm_mod.ZERO_VARIANCE not in values:
-                n, zero = groups[step]
-                values[alarm_mod.ZERO_VARIANCE] = zero / n if n else None
+                n, equal, all_zero = groups[step]
+                values[alarm_mod.ZERO_VARIANCE] = (all_zero if reinforce else equal) / n if n else None
             if cfg.tool_metric not in values and step in behaviour:
                 values[cfg.tool_metric] = behaviour[step].get(cfg.tool_metric)
             s.add(step, values)

@@ -182,7 +182,7 @@ class RunDB:
         self._matrix = OutcomeMatrix()  # train outcome counts of closed steps, grown as steps close
         self._matrix_upto: int | None = None
         self._matrix_lock = threading.Lock()
-        self._groups: dict[int, tuple[int, int]] = {}
+        self._groups: dict[int, tuple[int, int, int]] = {}
         self._groups_upto: int | None = None
         self.ensure_indexes()
 
@@ -418,21 +418,25 @@ class RunDB:
             out.setdefault(str(r[0])[5:], []).append((int(r[1]), (r[3] or 0) / max(r[2], 1), int(r[2])))
         return out
 
-    def group_stats(self) -> dict[int, tuple[int, int]]:
-        """Train step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal); closed steps
-        are computed once."""
-        q = ("SELECT step, COUNT(*), SUM(lo = hi) FROM ("
+    def group_stats(self) -> dict[int, tuple[int, int, int]]:
+        """Train step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal, of which all are
+        zero); closed steps are computed once."""
+        q = ("SELECT step, COUNT(*), SUM(lo = hi), SUM(lo = 0 AND hi = 0) FROM ("
              " SELECT step, group_id, COUNT(reward) n, MIN(reward) lo, MAX(reward) hi FROM rollouts"
              " WHERE split = 'train' AND step > ? AND step <= ? AND reward IS NOT NULL GROUP BY step, group_id"
              " HAVING n >= 2) GROUP BY step")
+
+        def rows(lo: int, hi: int) -> dict[int, tuple[int, int, int]]:
+            return {int(r[0]): (int(r[1]), int(r[2] or 0), int(r[3] or 0)) for r in self.query(q, (lo, hi))}
+
         closed = self.closed_step()
         with self._matrix_lock:
             upto = -(2**62) if self._groups_upto is None else self._groups_upto
             if closed is not None and closed > upto:
-                self._groups.update({int(r[0]): (int(r[1]), int(r[2] or 0)) for r in self.query(q, (upto, closed))})
+                self._groups.update(rows(upto, closed))
                 self._groups_upto = upto = closed
             out = dict(self._groups)
-        out.update({int(r[0]): (int(r[1]), int(r[2] or 0)) for r in self.query(q, (upto, 2**62))})
+        out.update(rows(upto, 2**62))
         return out
 
     def recent_failures(self, limit: int = 10) -> list[dict[str, Any]]:
