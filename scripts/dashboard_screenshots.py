@@ -12,11 +12,9 @@ and saves `OUT/PREFIX-NAME.png` (full page). Any JavaScript error fails the scri
 from __future__ import annotations
 
 import argparse
-import asyncio
-import threading
 from pathlib import Path
 
-from legorl.monitor.server import serve_dashboard
+from legorl.monitor.server import served_in_thread
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -39,32 +37,23 @@ def main() -> None:
     if len(args.runs) > 1 and not args.page:
         pages.append(["compare", "/compare"])
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(args.runs[0], compare_with=args.runs[1:]),
-                                                 loop).result(60)
-    base = url.rstrip("/")
     errors: list[str] = []
     args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright
 
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-            page = browser.new_page(viewport={"width": args.width, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            for name, path in pages:
-                page.goto(base + path)
-                page.wait_for_selector(READY.get(path.split("?")[0], "body"), timeout=60_000)
-                page.wait_for_timeout(1500)  # the charts' second fetch (live pages poll)
-                target = args.out / f"{args.prefix}-{name}.png"
-                page.screenshot(path=str(target), full_page=True)
-                print(target)
-            browser.close()
-    finally:
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
+    with served_in_thread(args.runs[0], args.runs[1:]) as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        page = browser.new_page(viewport={"width": args.width, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        for name, path in pages:
+            page.goto(base + path)
+            page.wait_for_selector(READY.get(path.split("?")[0], "body"), timeout=60_000)
+            page.wait_for_timeout(1500)  # the charts' second fetch (live pages poll)
+            target = args.out / f"{args.prefix}-{name}.png"
+            page.screenshot(path=str(target), full_page=True)
+            print(target)
+        browser.close()
     if errors:
         raise SystemExit(f"JavaScript errors: {errors}")
 

@@ -8,12 +8,10 @@ to test-artifacts/dashboard/.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,16 +98,10 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Path:
 
 
 def _served(run: Path, *compare_with: Path) -> Iterator[str]:
-    from legorl.monitor.server import serve_dashboard
+    from legorl.monitor.server import served_in_thread
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(run, compare_with=compare_with), loop).result(60)
-    yield url.rstrip("/")
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with served_in_thread(run, compare_with) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -318,3 +318,20 @@ async def serve_dashboard(run_dir: str | Path, host: str = "127.0.0.1", port: in
         sock.close()
 
     return url, stop
+
+
+@contextlib.contextmanager
+def served_in_thread(run_dir: str | Path, compare_with: Sequence[str | Path] = ()) -> Generator[str, None, None]:
+    """The dashboard of `run_dir` served from an event loop of its own in a daemon thread, for synchronous
+    code (a browser driving it: tests/test_dashboard_browser.py, scripts/dashboard_screenshots.py); yields the
+    base URL without its trailing slash, and stops the server on exit."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="legorl-dashboard-loop", daemon=True)
+    thread.start()
+    url, stop = asyncio.run_coroutine_threadsafe(serve_dashboard(run_dir, compare_with=compare_with), loop).result(60)
+    try:
+        yield url.rstrip("/")
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
