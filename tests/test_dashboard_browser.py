@@ -307,7 +307,8 @@ def test_task_grid(page: Any, base_url: str) -> None:
     assert "resolved" in cells.first.get_attribute("title")
     shot(page, "tasks")
     page.select_option("#grid-form select", "eval-heldout")  # the evaluation before RL is step -1: named
-    page.wait_for_selector("#task-grid td.cell")
+    # the train grid's cells stay until the new split's arrive: wait for its step column, not any cell
+    page.wait_for_selector('#task-grid th.step:text-is("before")')
     assert page.locator("#task-grid th.step").first.inner_text() == "before"
     assert "before RL:" in page.locator("#task-grid td.cell").first.get_attribute("title")
     page.select_option("#grid-form select", "demo")
