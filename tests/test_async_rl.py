@@ -168,9 +168,9 @@ def test_the_machines_busy_share_is_busy_over_total_ticks() -> None:
 def test_an_async_run_samples_ahead_and_trains_within_the_staleness_bound(tmp_path, cache_dir, monkeypatch) -> None:
     import threading
 
-    from legorl.train.trainer import Trainer
-
     import torch
+
+    from legorl.train.trainer import Trainer
 
     threads: list[tuple[str, int]] = []  # every step on the trainer's one thread (glibc keeps a freed peak per thread)
     step_fn = Trainer.train_step
