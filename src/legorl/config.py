@@ -434,7 +434,8 @@ class TrainerConfig(_Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     autocast: Literal["bf16"] | None = None
     # torch intra-op threads on the trainer's own thread (0: the process's, engine.torch_threads or torch's
-    # default). Asynchronous RL on a few cores: 1 leaves the other cores to the engine sampling beside it.
+    # default). Asynchronous RL: leaves the other cores to the engine sampling beside it (on 2 cores 1 thread
+    # was slower: docs/training.md).
     torch_threads: int = Field(0, ge=0)
     gradient_checkpointing: bool = False
     # Rollouts of a group share their first prompt (a harness's system prompt, tools and the task):
