@@ -176,9 +176,9 @@ class Driver:
         # step's peak per thread (SmolLM2's SFT grew ~2 GB an update, to an out-of-memory kill at 24 GB).
         # torch's thread count set on a thread other than the main one holds for that thread only
         threads = cfg.trainer.torch_threads
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="legorl-trainer",
-                                                  initializer=torch.set_num_threads if threads else None,
-                                                  initargs=(threads,) if threads else ())
+        self._trainer_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="legorl-trainer",
+            initializer=functools.partial(torch.set_num_threads, threads) if threads else None)
 
     async def __aenter__(self) -> Driver:
         cfg = self.cfg

@@ -16,6 +16,7 @@ from legorl.monitor.behaviour import aggregate, analyse_calls
 from legorl.monitor.config import INFRA_OUTCOMES, AlarmConfig
 from legorl.monitor.db import OutcomeMatrix, RunDB
 from legorl.records import Outcome
+from legorl.train.advantages import carries_signal
 
 OUTCOMES = [o.value for o in Outcome]
 log = logging.getLogger("legorl.alarms")
@@ -334,17 +335,17 @@ class AlarmBoard:
     def series(self) -> alarm_mod.Series:
         cfg = self.cfg
         groups = self.db.group_stats()
-        # which groups train nothing depends on the advantage (train/advantages.py, carries_signal): under
-        # reinforce an all-resolved group trains (SFT on its successes), only an all-failed one does not
-        reinforce = self.db.run_info()["config"].get("trainer", {}).get("advantage") == "reinforce"
+        # which groups train nothing depends on the run's advantage (under reinforce an all-resolved group trains)
+        advantage = self.db.run_info()["config"].get("trainer", {}).get("advantage", "grpo")
         need_tools = not any(cfg.tool_metric in m for _, _, m in self.db.steps())
         behaviour = self.cache.per_step() if need_tools and cfg.tool_metric.startswith("behaviour/") else {}
         s = alarm_mod.Series()
         for step, _, m in self.db.steps():
             values = alarm_mod.derived(m, cfg)
             if step in groups and alarm_mod.ZERO_VARIANCE not in values:
-                n, equal, all_zero = groups[step]
-                values[alarm_mod.ZERO_VARIANCE] = (all_zero if reinforce else equal) / n if n else None
+                n, uniform = groups[step]
+                silent = sum(k for reward, k in uniform.items() if not carries_signal([reward, reward], advantage))
+                values[alarm_mod.ZERO_VARIANCE] = silent / n if n else None
             if cfg.tool_metric not in values and step in behaviour:
                 values[cfg.tool_metric] = behaviour[step].get(cfg.tool_metric)
             s.add(step, values)

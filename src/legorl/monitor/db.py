@@ -182,7 +182,7 @@ class RunDB:
         self._matrix = OutcomeMatrix()  # train outcome counts of closed steps, grown as steps close
         self._matrix_upto: int | None = None
         self._matrix_lock = threading.Lock()
-        self._groups: dict[int, tuple[int, int, int]] = {}
+        self._groups: dict[int, tuple[int, dict[float, int]]] = {}
         self._groups_upto: int | None = None
         self.ensure_indexes()
 
@@ -418,16 +418,23 @@ class RunDB:
             out.setdefault(str(r[0])[5:], []).append((int(r[1]), (r[3] or 0) / max(r[2], 1), int(r[2])))
         return out
 
-    def group_stats(self) -> dict[int, tuple[int, int, int]]:
-        """Train step -> (groups with >= 2 rewarded rollouts, of which all rewards are equal, of which all are
-        zero); closed steps are computed once."""
-        q = ("SELECT step, COUNT(*), SUM(lo = hi), SUM(lo = 0 AND hi = 0) FROM ("
+    def group_stats(self) -> dict[int, tuple[int, dict[float, int]]]:
+        """Train step -> (groups with >= 2 rewarded rollouts, {reward: groups whose every reward is it}); only
+        such groups can train nothing, and whether they do depends on the advantage (`carries_signal`).
+        Closed steps are computed once."""
+        q = ("SELECT step, lo, COUNT(*), SUM(lo = hi) FROM ("
              " SELECT step, group_id, COUNT(reward) n, MIN(reward) lo, MAX(reward) hi FROM rollouts"
              " WHERE split = 'train' AND step > ? AND step <= ? AND reward IS NOT NULL GROUP BY step, group_id"
-             " HAVING n >= 2) GROUP BY step")
+             " HAVING n >= 2) GROUP BY step, lo")
 
-        def rows(lo: int, hi: int) -> dict[int, tuple[int, int, int]]:
-            return {int(r[0]): (int(r[1]), int(r[2] or 0), int(r[3] or 0)) for r in self.query(q, (lo, hi))}
+        def rows(lo: int, hi: int) -> dict[int, tuple[int, dict[float, int]]]:
+            out: dict[int, tuple[int, dict[float, int]]] = {}
+            for step, reward, n, equal in self.query(q, (lo, hi)):
+                total, uniform = out.get(int(step), (0, {}))
+                if equal:
+                    uniform[float(reward)] = int(equal)
+                out[int(step)] = (total + int(n), uniform)
+            return out
 
         closed = self.closed_step()
         with self._matrix_lock:
