@@ -305,3 +305,29 @@ def test_the_zero_variance_alarm_counts_groups_as_the_runs_advantage_trains_them
     store.add_step(0, {"outcomes/resolved": 6.0, "outcomes/unresolved": 2.0})
     alarms = TestClient(create_app(tmp_path), base_url=LOCAL).get("/api/alarms").json()["alarms"]
     assert any(a["name"] == "zero_variance_groups" for a in alarms) is fires, alarms
+
+
+def test_the_dashboard_judges_the_groups_the_loop_trained_on(tmp_path: Path) -> None:
+    """The store also holds the all-failed groups a refill replaced; the loop's alarm judged only the batch it
+    trained on and logged that share (`groups/no_signal_share`), which the dashboard follows."""
+    from legorl.monitor.alarms import ZERO_VARIANCE, AlarmMonitor
+
+    store = Store(tmp_path / "store.sqlite")
+    store.add_run("r", {"trainer": {"advantage": "grpo"}})
+    rollouts = []
+    for g, rewards in enumerate([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]):
+        for i, reward in enumerate(rewards):
+            r = Rollout(id=f"g{g}-{i}", step=0, task_id=f"t{g}", group_id=f"g{g}", sample_index=i,
+                        harness="mini-swe-agent", split="train",
+                        outcome=Outcome.RESOLVED if reward else Outcome.UNRESOLVED, reward=reward)
+            store.upsert_rollout(r)
+            rollouts.append(r)
+    batch = rollouts[4:]  # two groups were refilled away: one silent group and one with signal were trained
+    monitor = AlarmMonitor(advantage="grpo")
+    metrics = {"outcomes/resolved": 1.0, "outcomes/unresolved": 7.0}
+    assert monitor.update(0, metrics, batch) == []
+    logged = monitor.metrics([])
+    assert logged == {ZERO_VARIANCE: 0.5}
+    store.add_step(0, {**metrics, **logged})
+    alarms = TestClient(create_app(tmp_path), base_url=LOCAL).get("/api/alarms").json()["alarms"]
+    assert not any(a["name"] == "zero_variance_groups" for a in alarms), alarms  # the store alone says 75 %

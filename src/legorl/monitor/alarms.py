@@ -28,7 +28,10 @@ from legorl.train.advantages import carries_signal
 
 log = logging.getLogger("legorl.alarms")
 
-ZERO_VARIANCE = "zero_variance_share"  # derived series names
+# The share of the trained batch's groups that carry no signal: the loop logs the value its alarm judged, and the
+# dashboard reads it (the store also holds groups a refill replaced, which the batch never trained on).
+ZERO_VARIANCE = "groups/no_signal_share"
+# derived series names
 INFRA_SHARE = "infra_share"
 FINISHED = "finished_rollouts"
 NOTHING_TRAINED = "train/skipped"  # 1.0 on a step whose trainer had nothing to learn from
@@ -219,5 +222,8 @@ class AlarmMonitor:
         return new
 
     def metrics(self, alarms: list[Alarm]) -> dict[str, float]:
-        """`alarms/<name>` = 1.0 for the alarms just fired (to log next to the step metrics)."""
-        return {f"alarms/{a.name}": 1.0 for a in alarms}
+        """To log next to the step metrics: `alarms/<name>` = 1.0 for the alarms just fired, and the share of
+        groups without signal the last step was judged on (so the dashboard judges the same groups)."""
+        out = {f"alarms/{a.name}": 1.0 for a in alarms}
+        share = self.series.get(ZERO_VARIANCE)[-1] if self.series.steps else None
+        return out if share is None else {ZERO_VARIANCE: share, **out}
