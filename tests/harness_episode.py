@@ -34,9 +34,10 @@ def tool_names(prompt: str) -> set[str]:
     return {json.loads(line)["function"]["name"] for line in block.splitlines() if line.startswith("{")}
 
 
-async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any,
+async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any, box_kw: dict | None = None,
                       ) -> tuple[HarnessResult, Session, list[LLMCall], str]:
-    """Start `harness`, run one episode with `script` answering; its result, session, calls and calc.py after."""
+    """Start `harness`, run one episode with `script` answering (in a sandbox made with `box_kw`, default
+    `sandbox_kwargs()`); its result, session, calls and calc.py after."""
     engine = ScriptedEngine(tokenizer)
     calls: list[LLMCall] = []
     proxy = Proxy(engine, tokenizer, on_call=calls.append)
@@ -47,7 +48,8 @@ async def run_episode(harness: Any, tokenizer: Any, tmp_path: Path, script: Any,
     await harness.start()
     box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label=f"test-{harness.name}",
                                     proxy_socket=proxy.unix_socket,
-                                    visible_paths=getattr(harness, "visible_paths", ()), **sandbox_kwargs())
+                                    visible_paths=getattr(harness, "visible_paths", ()),
+                                    **(sandbox_kwargs() if box_kw is None else box_kw))
     session = proxy.open_session("r1", max_calls=getattr(harness, "max_calls", None), call_kind=harness.call_kind)
     engine.set_script("r1", script)
     run = HarnessRun(rollout_id="r1", task_text=TASK, api_base=proxy.openai_base_url(session.token),

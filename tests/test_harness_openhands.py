@@ -10,6 +10,7 @@ iteration budget ends an episode as LimitsExceeded, and that an unknown tool is 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 
@@ -42,8 +43,8 @@ def make_script(tokenizer, seen: list[str]):
     return script
 
 
-async def run_openhands(tokenizer, tmp_path: Path, script, **harness_kw):
-    return await run_episode(OpenHandsHarness(timeout=300, **harness_kw), tokenizer, tmp_path, script)
+async def run_openhands(tokenizer, tmp_path: Path, script, box_kw=None, **harness_kw):
+    return await run_episode(OpenHandsHarness(timeout=300, **harness_kw), tokenizer, tmp_path, script, box_kw)
 
 
 @needs_openhands
@@ -92,3 +93,28 @@ def test_start_finds_the_openhands_python_and_what_the_sandbox_must_show(tmp_pat
 def test_a_switch_openhands_cannot_honour_is_refused(kw, message) -> None:
     with pytest.raises(ValueError, match=message):
         OpenHandsHarness(**kw)
+
+
+@needs_openhands
+@pytest.mark.skipif(os.geteuid() != 0, reason="a fork enters a sandbox's namespaces as root (privileged bwrap)")
+def test_openhands_forked_from_a_prefork_server_plays_the_same_episode(tokenizer, tmp_path):
+    """The sandbox runs as its own uid, as in a training run: the runner is forked into it with the SDK already
+    imported (harness/prefork.py), and the episode is the same, token for token."""
+    harness = OpenHandsHarness(timeout=300, tools=["terminal", "file_editor"])
+    forked = []
+    close = harness.close
+
+    async def count_then_close():
+        forked.append(harness.server.forked if harness.server is not None else 0)
+        await close()
+
+    harness.close = count_then_close
+    seen: list[str] = []
+    result, _, calls, calc = asyncio.run(run_episode(harness, tokenizer, tmp_path, make_script(tokenizer, seen),
+                                                     box_kw={}))
+    assert forked == [1], "the episode ran through the prefork server"
+    assert result.exit_status == "Submitted", (result, seen[-1][-3000:] if seen else None)
+    assert calc == CALC.replace("a - b", "a + b")
+    assert [t.name for c in calls for t in c.tool_calls] == ["terminal", "file_editor", "terminal"]
+    check_fidelity(tokenizer, calls)
+    assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]

@@ -224,6 +224,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "opencode_config": {"opencode"},
     "wire_format": {"opencode"},
     "settings": {"gemini-cli", "qwen-code"},
+    "prefork": {"openhands"},
 }
 
 
@@ -256,6 +257,9 @@ class HarnessConfig(_Section):
     settings: dict[str, Any] = Field(default_factory=dict)  # gemini-cli, qwen-code: more settings.json keys, merged in
     # opencode: the wire format its legorl provider speaks (the AI SDK package it uses)
     wire_format: Literal["openai_chat", "openai_responses", "anthropic_messages"] = "openai_chat"
+    # openhands: fork each episode's runner, the SDK imported once, into its sandbox where it can (bwrap under a
+    # root driver; docs/harnesses/openhands.md); false: every episode's Python imports the SDK (~7 CPU-s)
+    prefork: bool = True
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
     overrides: dict[HarnessName, dict[str, Any]] = Field(default_factory=dict)
 

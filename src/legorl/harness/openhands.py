@@ -29,6 +29,7 @@ from pathlib import Path
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
 from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, write_files
+from legorl.harness.prefork import PreforkServer, sandbox_target
 
 OPENHANDS_PYTHON = Path(__file__).resolve().parents[3] / ".venv" / "openhands" / "bin" / "python"
 RUNNER = Path(__file__).with_name("openhands_runner.py")
@@ -45,9 +46,14 @@ class OpenHandsHarness(SandboxedCLI):
 
     cli = "python"
     max_calls: int = 30  # max_iteration_per_run, and the proxy session's turn limit
+    # Fork each episode's runner, the SDK imported once, into its sandbox (harness/prefork.py), where the
+    # sandbox allows it (bwrap under a root driver); else each episode's Python imports the SDK (~7 CPU-s).
+    prefork: bool = True
     name: str = "openhands"
     visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
     runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
+    server: PreforkServer | None = field(default=None, init=False)  # started by the first episode it can serve
+    _server_lock: asyncio.Lock | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.refuse_switches("OpenHands", TOOLS, "terminal")
@@ -66,13 +72,32 @@ class OpenHandsHarness(SandboxedCLI):
         self.visible_paths = tuple(os.path.realpath(p) for p in r.stdout.split())
         self.runner = RUNNER.read_text()
 
+    async def prefork_server(self) -> PreforkServer:
+        """The prefork server, started once: with the environment an episode's imports see, nothing of the
+        driver's."""
+        self._server_lock = self._server_lock or asyncio.Lock()
+        async with self._server_lock:
+            if self.server is None:
+                server = PreforkServer(str(self.binary), RUNNER,
+                                       {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env(None)})
+                await server.start()
+                self.server = server
+        return self.server
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+
     def spec(self, run: HarnessRun) -> dict[str, object]:
         return {"model": run.model_name, "base_url": run.relay_base.rstrip("/") + "/v1", "api_key": run.api_key,
                 "task": self.prompt(run), "tools": list(self.tools or DEFAULT_TOOLS),
                 "system_prompt": self.system_prompt, "max_iterations": self.max_calls, "timeout": self.timeout}
 
-    def env(self, run: HarnessRun) -> dict[str, str]:
-        env = {"LEGORL_OPENHANDS_SPEC": json.dumps(self.spec(run)), "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb",
+    def env(self, run: HarnessRun | None) -> dict[str, str]:
+        """The runner's environment (`run` None: without the episode's spec, as the prefork server starts)."""
+        spec = {} if run is None else {"LEGORL_OPENHANDS_SPEC": json.dumps(self.spec(run))}
+        env = {**spec, "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb",
                "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of prices
                "PYTHONWARNINGS": "ignore"}
         return self.with_extra_env(env)
@@ -83,8 +108,15 @@ class OpenHandsHarness(SandboxedCLI):
     async def run(self, run: HarnessRun) -> HarnessResult:
         if (unstarted := self.missing_relay(run)) is not None:
             return unstarted
-        await write_files(run, {RUNNER_IN_SANDBOX: self.runner})
-        output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
+        target = await asyncio.to_thread(sandbox_target, run.control_socket) if self.prefork else None
+        if target is not None:
+            server = await self.prefork_server()
+            output, rc = await asyncio.to_thread(server.run, target, self.env(run), self.timeout, self.extra_args)
+            if rc is None:
+                raise TimeoutError(f"the harness did not finish within {self.timeout:.0f}s")
+        else:
+            await write_files(run, {RUNNER_IN_SANDBOX: self.runner})
+            output, rc = await exec_cli(run, self.command(run), self.env(run), self.timeout)
         res = last_json(output, lambda o: "legorl_openhands" in o)
         if res is None:
             return HarnessResult(exit_status="exited", n_calls=0,

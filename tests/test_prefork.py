@@ -1,0 +1,135 @@
+"""The prefork server (harness/prefork.py): a runner imported once on the host, forked into a real bubblewrap
+sandbox, is a process of that sandbox like any command its agent starts: its pid namespace, mounts, hostname,
+uid without capabilities, no_new_privs, limits, cgroup and environment, none of the host's files or open
+descriptors, and it is ended when it runs out of time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from legorl.harness.openhands import OPENHANDS_PYTHON
+from legorl.harness.prefork import PreforkServer, sandbox_target
+from legorl.sandbox import BwrapSandbox
+from legorl.sandbox.client import SandboxClient
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("bwrap") is None or not OPENHANDS_PYTHON.exists(),
+    reason="a fork enters a sandbox's namespaces as root (privileged bwrap), with a Python of 3.12+ (os.setns): "
+           "the OpenHands environment from make setup-test")
+
+RUNNER = '''
+import json, os, resource, sys, time
+
+def preload():
+    global PRELOADED
+    PRELOADED = os.getpid()
+
+def main():
+    if os.environ.get("SLEEP"):
+        open("/workspace/started", "w").close()
+        time.sleep(float(os.environ["SLEEP"]))
+        open("/workspace/finished", "w").close()
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    fds = sorted(os.listdir("/proc/self/fd"))
+    print(json.dumps({
+        "pid_in_proc": str(os.getpid()) in os.listdir("/proc"), "preloaded": PRELOADED != os.getpid(),
+        "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "cwd": os.getcwd(),
+        "files": sorted(os.listdir(".")), "cap_eff": status["CapEff"].strip(), "cap_prm": status["CapPrm"].strip(),
+        "no_new_privs": status["NoNewPrivs"].strip(), "fds": fds, "env": dict(os.environ),
+        "host_file": os.path.exists(sys.argv[1]), "nproc": resource.getrlimit(resource.RLIMIT_NPROC),
+        "cpu": resource.getrlimit(resource.RLIMIT_CPU), "hostname": os.uname().nodename,
+        "cgroup": open("/proc/self/cgroup").read().strip(), "sid_is_pid": os.getsid(0) == os.getpid(),
+    }))
+    return 3
+'''
+
+
+async def _in_sandbox(tmp_path: Path, body):
+    runner = tmp_path / "runner.py"
+    runner.write_text(RUNNER)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text("x = 1\n")
+    prefixes = subprocess.run(  # noqa: ASYNC221 - before anything runs
+        [str(OPENHANDS_PYTHON), "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+        capture_output=True, text=True, check=True).stdout.split()
+    box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="prefork-test",
+                                    visible_paths=[os.path.realpath(p) for p in prefixes])
+    server = PreforkServer(str(OPENHANDS_PYTHON), runner, {"PATH": os.environ["PATH"], "HOME": "/tmp"})
+    os.environ["LEGORL_TEST_DRIVER_SECRET"] = "not for the sandbox"
+    try:
+        await server.start()
+        target = sandbox_target(str(box.control_socket))
+        assert target is not None, "a root driver's bwrap sandbox can be entered"
+        return await body(box, server, target, ws)
+    finally:
+        os.environ.pop("LEGORL_TEST_DRIVER_SECRET", None)
+        await server.close()
+        await box.close()
+
+
+def test_a_forked_runner_is_a_process_of_the_sandbox(tmp_path: Path) -> None:
+    host_only = tmp_path / "host-only"
+    host_only.write_text("secret")
+
+    async def body(box, server, target, ws):
+        output, code = await asyncio.to_thread(server.run, target, {"HARNESS_VAR": "1"}, 60, [str(host_only)])
+        return box, target, output, code, server.forked
+
+    box, target, output, code, forked = asyncio.run(_in_sandbox(tmp_path, body))
+    assert code == 3, output
+    facts = json.loads(output.strip().splitlines()[-1])
+    assert facts["pid_in_proc"], "its pid is one of the sandbox's pid namespace"
+    assert facts["preloaded"], "preload() ran once, in the server"
+    assert (facts["uid"], facts["gid"], facts["groups"]) == (box.ids[0], box.ids[1], [])
+    assert facts["cap_eff"] == facts["cap_prm"] == "0000000000000000"
+    assert facts["no_new_privs"] == "1"
+    assert facts["cwd"] == "/workspace" and facts["files"] == ["calc.py"]
+    assert facts["hostname"] == "sandbox" and facts["sid_is_pid"]
+    assert not facts["host_file"], "the host's files are not there"
+    assert set(facts["fds"]) <= {"0", "1", "2", "3"}, facts["fds"]  # 3: listdir's own
+    env = facts["env"]
+    assert env["HARNESS_VAR"] == "1" and env["LEGORL_SANDBOX"] == "prefork-test"
+    assert "LEGORL_TEST_DRIVER_SECRET" not in env and env["HOME"] == "/tmp"
+    inf = resource.RLIM_INFINITY
+    assert tuple(facts["nproc"]) == tuple(inf if v < 0 else v for v in target.limits["nproc"])
+    assert target.limits["nproc"][0] > 0  # the sandbox's process budget, which the fork now counts against
+    if target.cpu:
+        assert tuple(facts["cpu"]) == (target.cpu, target.cpu)
+    assert forked == 1
+
+
+def test_a_runner_out_of_time_is_ended(tmp_path: Path) -> None:
+    async def body(box, server, target, ws):
+        output, code = await asyncio.to_thread(server.run, target, {"SLEEP": "30"}, 2, ["/nonexistent"])
+        left = SandboxClient(box.control_socket).exec(
+            "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -c '[p]refork_server' || true", 10)
+        return output, code, left.output, (ws / "started").exists(), (ws / "finished").exists()
+
+    output, code, left, started, finished = asyncio.run(_in_sandbox(tmp_path, body))
+    assert code is None, output
+    assert started and not finished
+    assert left.strip() == "0", left
+
+
+def test_no_target_where_a_fork_cannot_enter(tmp_path: Path) -> None:
+    assert sandbox_target(str(tmp_path / "nowhere" / "ctl" / "control.sock")) is None
+
+    async def run_as_root() -> object:
+        ws = tmp_path / "ws0"
+        ws.mkdir()
+        box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box0", label="uid0", sandbox_uid=0)
+        try:
+            return sandbox_target(str(box.control_socket))
+        finally:
+            await box.close()
+
+    assert asyncio.run(run_as_root()) is None  # a sandbox run as uid 0 keeps starting its harness afresh
