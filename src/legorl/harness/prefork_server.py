@@ -6,9 +6,11 @@ for each request forks a child that joins the sandbox's namespaces (cgroup, ipc,
 its cgroup, its resource limits, its niceness, its environment, and its uid (which clears every
 capability), with no_new_privs set; that child forks the runner itself, which is then a process of the
 sandbox's own pid namespace, as a command the sandbox agent starts is. The harness's code is the same;
-only where its imports were done differs. Nothing of legorl is imported: stdlib only.
+only where its imports were done differs. The server reads no request itself (the child does): no
+episode's data, such as its session token, is in the memory every later fork inherits. Nothing of
+legorl is imported: stdlib only.
 
-Usage: python prefork_server.py SOCKET RUNNER_FILE
+Usage: python -P prefork_server.py SOCKET RUNNER_FILE
 
 The runner file defines ``preload()`` (the imports, run once here) and ``main() -> int`` (one episode,
 run in the sandbox). The server prints ``ready`` when its socket listens, and exits when its stdin
@@ -105,9 +107,24 @@ def run_runner(runner, req: dict, out_fd: int) -> None:
         os._exit(code)
 
 
-def serve_one(runner, conn: socket.socket, req: dict, out_fd: int) -> None:
-    """In a child of the server: enter the sandbox, start the runner in it, report its exit. Never returns."""
+def read_request(conn: socket.socket) -> tuple[dict, int]:
+    """The request's JSON line and the descriptor that came with it."""
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1)
+    while not msg.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            break
+        msg += more
+    if len(fds) != 1:
+        raise ValueError("a request carries exactly one file descriptor (the runner's output)")
+    return json.loads(msg), fds[0]
+
+
+def serve_one(runner, conn: socket.socket) -> None:
+    """In a child of the server: read the request, enter the sandbox, start the runner in it, report its exit.
+    Never returns."""
     try:
+        req, out_fd = read_request(conn)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it (auto-reap); this child waits
         enter_sandbox(req)
         child = os.fork()
@@ -150,28 +167,12 @@ def main(argv: list) -> int:
         if server not in ready:
             continue
         conn, _ = server.accept()
-        try:
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1)
-            while not msg.endswith(b"\n"):
-                more = conn.recv(1 << 20)
-                if not more:
-                    break
-                msg += more
-            req = json.loads(msg)
-            if len(fds) != 1:
-                raise ValueError("a request carries exactly one file descriptor (the runner's output)")
-        except (OSError, ValueError) as e:
-            conn.sendall(f"error bad request: {e}\n".encode())
-            conn.close()
-            continue
         sys.stdout.flush()
         sys.stderr.flush()
-        if os.fork() == 0:
-            server.close()
-            serve_one(runner, conn, req, fds[0])
+        if os.fork() == 0:  # the request is read in the child: no episode's data (its token) stays in the
+            server.close()  # server's memory, which every later episode's fork would inherit
+            serve_one(runner, conn)
         conn.close()
-        os.close(fds[0])
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
