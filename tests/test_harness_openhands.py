@@ -10,6 +10,7 @@ iteration budget ends an episode as LimitsExceeded, and that an unknown tool is 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
@@ -85,10 +86,27 @@ def test_start_finds_the_openhands_python_and_what_the_sandbox_must_show(tmp_pat
     assert prefix == OPENHANDS_PYTHON.parent.parent.resolve() and (base / "lib").is_dir()
 
 
+@needs_openhands
+def test_tool_params_reach_the_sdks_tool(tokenizer, tmp_path):
+    """harness.tool_params: the terminal's no-change timeout, 2 s instead of its 30, hands a command that prints
+    nothing back to the agent."""
+    def script(i, ids):
+        if i == 0:
+            return render_tool_call_text("terminal", {"command": "sleep 60"})
+        return "Done."
+    result, _, calls, _ = asyncio.run(run_openhands(
+        tokenizer, tmp_path, script, tools=["terminal"], tool_params={"terminal": {"no_change_timeout_seconds": 2}}))
+    assert result.exit_status == "Submitted", result
+    assert len(calls) == 2
+    observation = json.dumps(calls[1].request["messages"][-1])
+    assert "2 seconds" in observation, observation[-800:]  # its own note of the timeout it was given
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({"tools": ["terminal", "bash"]}, "OpenHands has no tool bash"),
     ({"tools": ["file_editor"]}, "must keep terminal"),
     ({"append_system_prompt": "x"}, "no such switch"),
+    ({"tools": ["terminal"], "tool_params": {"file_editor": {}}}, "file_editor is not among the agent's tools"),
 ])
 def test_a_switch_openhands_cannot_honour_is_refused(kw, message) -> None:
     with pytest.raises(ValueError, match=message):

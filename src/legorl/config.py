@@ -225,6 +225,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "wire_format": {"opencode"},
     "settings": {"gemini-cli", "qwen-code"},
     "prefork": {"openhands"},
+    "tool_params": {"openhands"},
 }
 
 
@@ -260,6 +261,8 @@ class HarnessConfig(_Section):
     # openhands: fork each episode's runner, the SDK imported once, into its sandbox where it can (bwrap under a
     # root driver; docs/harnesses/openhands.md); false: every episode's Python imports the SDK (~7 CPU-s)
     prefork: bool = True
+    # openhands: the SDK's per-tool parameters, e.g. {terminal: {no_change_timeout_seconds: 10}}
+    tool_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
     overrides: dict[HarnessName, dict[str, Any]] = Field(default_factory=dict)
 

@@ -26,6 +26,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
 from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, write_files
@@ -49,6 +50,10 @@ class OpenHandsHarness(SandboxedCLI):
     # Fork each episode's runner, the SDK imported once, into its sandbox (harness/prefork.py), where the
     # sandbox allows it (bwrap under a root driver); else each episode's Python imports the SDK (~7 CPU-s).
     prefork: bool = True
+    # The SDK's own per-tool parameters (`Tool(name, params=...)`, the arguments of the tool's `create`), e.g.
+    # {"terminal": {"no_change_timeout_seconds": 10}}: how long a command may print nothing before the agent
+    # gets control back (30 s by default; a half-quoted command waits for more input that long).
+    tool_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     name: str = "openhands"
     visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
     runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
@@ -57,6 +62,10 @@ class OpenHandsHarness(SandboxedCLI):
 
     def __post_init__(self) -> None:
         self.refuse_switches("OpenHands", TOOLS, "terminal")
+        given = set(self.tools or DEFAULT_TOOLS)
+        if unknown := sorted(set(self.tool_params) - given):
+            raise ValueError(f"harness.tool_params: {', '.join(unknown)} is not among the agent's tools "
+                             f"({', '.join(sorted(given))})")
 
     async def start(self) -> None:
         python = Path(self.binary or OPENHANDS_PYTHON)
@@ -92,7 +101,8 @@ class OpenHandsHarness(SandboxedCLI):
     def spec(self, run: HarnessRun) -> dict[str, object]:
         return {"model": run.model_name, "base_url": run.relay_base.rstrip("/") + "/v1", "api_key": run.api_key,
                 "task": self.prompt(run), "tools": list(self.tools or DEFAULT_TOOLS),
-                "system_prompt": self.system_prompt, "max_iterations": self.max_calls, "timeout": self.timeout}
+                "system_prompt": self.system_prompt, "max_iterations": self.max_calls, "timeout": self.timeout,
+                "tool_params": self.tool_params}
 
     def env(self, run: HarnessRun | None) -> dict[str, str]:
         """The runner's environment (`run` None: without the episode's spec, as the prefork server starts)."""

@@ -49,7 +49,7 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
         if h.name == "codex":
             return CodexHarness(max_calls=h.step_limit, config=dict(h.codex_config), **kw)
         if h.name == "openhands":
-            return OpenHandsHarness(max_calls=h.step_limit, prefork=h.prefork, **kw)
+            return OpenHandsHarness(max_calls=h.step_limit, prefork=h.prefork, tool_params=dict(h.tool_params), **kw)
         if h.name == "opencode":
             return OpenCodeHarness(max_calls=h.step_limit, config=dict(h.opencode_config), wire_format=h.wire_format,
                                    **kw)
