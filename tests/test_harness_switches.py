@@ -264,3 +264,21 @@ def test_a_saved_config_with_every_key_spelled_out_loads_again(tmp_path):
         saved = tmp_path / "config.json"
         saved.write_text(json.dumps(load_config(None, overrides).model_dump()))
         assert load_config(saved).harness == load_config(None, overrides).harness
+
+
+def test_the_loop_runs_as_many_blocking_episode_calls_as_rollout_concurrency() -> None:
+    """An in-sandbox harness holds a default-executor thread for its whole episode. Python's own default
+    (min(32, cores + 4): 6 on 2 cores) ran 6 episodes at a time whatever rollout.concurrency asked for."""
+    import asyncio
+    import threading
+
+    from legorl.rollout.builders import episode_threads
+
+    concurrency = 40  # above any machine's default of min(32, cores + 4)
+    barrier = threading.Barrier(concurrency, timeout=20)
+
+    async def main() -> None:
+        episode_threads(concurrency)
+        await asyncio.gather(*(asyncio.to_thread(barrier.wait) for _ in range(concurrency)))
+
+    asyncio.run(main())  # a BrokenBarrierError when fewer calls can run at once

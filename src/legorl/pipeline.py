@@ -44,6 +44,7 @@ from legorl.monitor.progress import RunProgress
 from legorl.monitor.server import serve_dashboard
 from legorl.records import Outcome, Rollout, TrainingSequence
 from legorl.rollout.builders import (
+    episode_threads,
     hidden_paths,
     make_context,
     make_harnesses,
@@ -189,6 +190,7 @@ class Driver:
         # Built first: a harness switch it cannot honour fails before anything starts.
         self.harnesses = {} if ray_mode else make_harnesses(cfg, self.run_dir / "logs")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        episode_threads(cfg.rollout.concurrency)
         await reap_sandboxes(cfg.sandbox, self.run_dir / "sandboxes", self.label)  # a killed earlier run's
         if cfg.engine.torch_threads:
             torch.set_num_threads(cfg.engine.torch_threads)

@@ -7,7 +7,9 @@ episodes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,15 @@ from legorl.store import Store
 def make_harnesses(cfg: Config, log_dir: Path) -> dict[str, Harness]:
     """Every configured harness by name (one, or each of harness.name's list), in the config's order."""
     return {name: make_harness(cfg, log_dir, cfg.harness.for_harness(name)) for name in cfg.harness.names}
+
+
+def episode_threads(concurrency: int) -> None:
+    """Size the running loop's default executor for `concurrency` episodes at once. An in-sandbox harness holds
+    one of its threads for its whole episode (the sandbox's exec is a blocking call), beside grading and file
+    writes; Python's default, min(32, cores + 4), is 6 threads on 2 cores, which ran 6 episodes at a time
+    whatever `rollout.concurrency` asked for."""
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(2 * concurrency + 8, thread_name_prefix="legorl-episode"))
 
 
 def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> Harness:

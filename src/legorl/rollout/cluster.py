@@ -49,6 +49,7 @@ from legorl.engine.base import Engine, Weights
 from legorl.records import Outcome, Rollout
 from legorl.rollout.builders import (
     Teacher,
+    episode_threads,
     make_context,
     make_harness,
     make_proxy,
@@ -106,6 +107,7 @@ class RolloutWorker:
         import ray
 
         cfg = self.cfg
+        episode_threads(cfg.rollout.concurrency)
         await reap_sandboxes(cfg.sandbox, self.dir / "sandboxes", self.label)  # a killed earlier run's
         self.store = Store(self.dir / "store.sqlite")  # the worker's journal; the driver keeps the run's
         self.client = self._make_client()
