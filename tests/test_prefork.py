@@ -133,3 +133,24 @@ def test_no_target_where_a_fork_cannot_enter(tmp_path: Path) -> None:
             await box.close()
 
     assert asyncio.run(run_as_root()) is None  # a sandbox run as uid 0 keeps starting its harness afresh
+
+
+def test_a_dead_server_fails_the_episode_with_its_reason_and_is_replaced(tmp_path: Path) -> None:
+    from legorl.harness.base import HarnessCrashed
+    from legorl.harness.openhands import OpenHandsHarness
+
+    async def body(box, server, target, ws):
+        server.proc.kill()
+        await server.proc.wait()
+        with pytest.raises(HarnessCrashed, match="the prefork server is gone"):
+            await asyncio.to_thread(server.run, target, {}, 10)
+        harness = OpenHandsHarness()
+        harness.server = server  # as if it had started this one
+        await harness.start()
+        fresh = await harness.prefork_server()
+        try:
+            return fresh is not server and fresh.alive
+        finally:
+            await harness.close()
+
+    assert asyncio.run(_in_sandbox(tmp_path, body))

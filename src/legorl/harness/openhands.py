@@ -82,10 +82,13 @@ class OpenHandsHarness(SandboxedCLI):
         self.runner = RUNNER.read_text()
 
     async def prefork_server(self) -> PreforkServer:
-        """The prefork server, started once: with the environment an episode's imports see, nothing of the
-        driver's."""
+        """The prefork server, started once (again if it died): with the environment an episode's imports see,
+        nothing of the driver's."""
         self._server_lock = self._server_lock or asyncio.Lock()
         async with self._server_lock:
+            if self.server is not None and not self.server.alive:  # it died: a new one for the episodes to come
+                await self.server.close()
+                self.server = None
             if self.server is None:
                 server = PreforkServer(str(self.binary), RUNNER,
                                        {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env(None)})

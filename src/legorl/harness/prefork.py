@@ -20,7 +20,7 @@ from pathlib import Path
 
 from legorl.harness.base import HarnessCrashed
 from legorl.sandbox.bwrap import INSIDE_AGENT, INSIDE_WORKSPACE
-from legorl.sandbox.cpushare import _mounts as cgroup_mounts
+from legorl.sandbox.cpushare import cgroup_mounts
 
 SERVER = Path(__file__).with_name("prefork_server.py")
 MAX_OUTPUT = 2_000_000  # bytes of the runner's output kept (its end: the result line is last), as a command's
@@ -148,6 +148,10 @@ class PreforkServer:
         self.forked = 0  # episodes run through it
 
     @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
     def socket_path(self) -> Path:
         assert self.dir is not None
         return self.dir / "prefork.sock"
@@ -180,8 +184,11 @@ class PreforkServer:
         out = os.memfd_create("legorl-prefork-out")
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.connect(str(self.socket_path))
-                socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [out])
+                try:
+                    conn.connect(str(self.socket_path))
+                    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [out])
+                except OSError as e:  # it died (killed, out of memory): the harness restarts it for the next episode
+                    raise HarnessCrashed(f"the prefork server is gone ({e}); see {self.dir}/server.log") from e
                 conn.settimeout(timeout)
                 timed_out = False
                 try:

@@ -59,7 +59,7 @@ class Support:
     detail: str
 
 
-def _mounts() -> list[tuple[str, str, str, str]]:
+def cgroup_mounts() -> list[tuple[str, str, str, str]]:
     """(mount root, mount point, fs type, super options) of every cgroup mount."""
     out = []
     try:
@@ -116,7 +116,7 @@ def _usable(parent: Path, kind: str) -> Path:
 def probe() -> Support:
     """Find a cpu controller this process can give sandboxes a share of (tries a cgroup, removes it)."""
     why: list[str] = []
-    mounts = _mounts()
+    mounts = cgroup_mounts()
     for mroot, point, fstype, _ in mounts:  # cgroup v2 with the cpu controller
         if fstype != "cgroup2":
             continue
