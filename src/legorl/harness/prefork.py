@@ -21,6 +21,7 @@ from pathlib import Path
 from legorl.harness.base import HarnessCrashed
 from legorl.sandbox.bwrap import INSIDE_AGENT, INSIDE_WORKSPACE
 from legorl.sandbox.cpushare import cgroup_mounts
+from legorl.sandbox.procs import cmdline, process_tree
 
 SERVER = Path(__file__).with_name("prefork_server.py")
 MAX_OUTPUT = 2_000_000  # bytes of the runner's output kept (its end: the result line is last), as a command's
@@ -43,36 +44,11 @@ class SandboxTarget:
     cpu: int  # the CPU seconds each command may use (the agent's `ulimit -t`), 0: no limit
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
 def _agent_below(bwrap_pid: int) -> int | None:
-    """The host pid of the sandbox's agent: the process under bwrap running INSIDE_AGENT whose parent does
-    not (its own zygote runs it too)."""
-    parent: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_bytes()
-            except OSError:
-                continue
-            parent[int(name)] = int(stat.rpartition(b")")[2].split()[1])
-
-    def under_bwrap(pid: int) -> bool:
-        while pid > 1:
-            if pid == bwrap_pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    agents = {p for p in parent if under_bwrap(p) and (cmd := _cmdline(p)) and cmd[0] != "bwrap"
-              and INSIDE_AGENT in cmd[:4]}
-    tops = [p for p in agents if parent.get(p) not in agents]
-    return tops[0] if len(tops) == 1 else None
+    """The host pid of the sandbox's agent: the first process under bwrap (parents first) running INSIDE_AGENT;
+    its own zygote, below it, runs it too."""
+    return next((p for p in process_tree(bwrap_pid) if (cmd := cmdline(p)) and cmd[0] != "bwrap"
+                 and INSIDE_AGENT in cmd[:4]), None)
 
 
 def _cgroups(pid: int | str) -> dict[str, str]:
@@ -129,7 +105,7 @@ def sandbox_target(control_socket: str) -> SandboxTarget | None:
     uid, gid = int(status["Uid"].split()[0]), int(status["Gid"].split()[0])
     if uid == 0 or gid == 0:
         return None
-    argv = _cmdline(agent)
+    argv = cmdline(agent)
     spec = argv[argv.index("--limits") + 1].split(",") if "--limits" in argv else []
     cpu = next((int(item.split("=")[1]) for item in spec if item.startswith("cpu=")), 0)
     env = dict(item.split("=", 1) for item in environ.split("\0") if "=" in item)
