@@ -33,6 +33,11 @@ def preload():
     PRELOADED = os.getpid()
 
 def main():
+    if os.environ.get("ALLOC_MB"):  # it and a child each hold ALLOC_MB, then wait
+        held = b"x" * (int(os.environ["ALLOC_MB"]) << 20)
+        os.fork()
+        time.sleep(30)
+        return len(held) and 4
     if os.environ.get("SLEEP"):
         open("/workspace/started", "w").close()
         time.sleep(float(os.environ["SLEEP"]))
@@ -52,7 +57,7 @@ def main():
 '''
 
 
-async def _in_sandbox(tmp_path: Path, body):
+async def _in_sandbox(tmp_path: Path, body, **box_kw):
     runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
     ws = tmp_path / "ws"
@@ -62,7 +67,7 @@ async def _in_sandbox(tmp_path: Path, body):
         [str(OPENHANDS_PYTHON), "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
         capture_output=True, text=True, check=True).stdout.split()
     box = await BwrapSandbox.create(workspace=ws, sandbox_dir=tmp_path / "box", label="prefork-test",
-                                    visible_paths=[os.path.realpath(p) for p in prefixes])
+                                    visible_paths=[os.path.realpath(p) for p in prefixes], **box_kw)
     server = PreforkServer(str(OPENHANDS_PYTHON), runner, {"PATH": os.environ["PATH"], "HOME": "/tmp"})
     os.environ["LEGORL_TEST_DRIVER_SECRET"] = "not for the sandbox"
     try:
@@ -118,6 +123,18 @@ def test_a_runner_out_of_time_is_ended(tmp_path: Path) -> None:
     assert code is None, output
     assert started and not finished
     assert left.strip() == "0", left
+
+
+def test_the_watchdog_counts_a_forked_runners_memory(tmp_path: Path) -> None:
+    """The runner's parent is outside bwrap's process tree; the watchdog counts the processes of the
+    sandbox's pid namespace too, so two processes of 120 MiB each end a sandbox of 200 MiB."""
+    async def body(box, server, target, ws):
+        output, code = await asyncio.to_thread(server.run, target, {"ALLOC_MB": "120"}, 25, ["/nonexistent"])
+        return output, code, box.watch.violation
+
+    output, code, violation = asyncio.run(_in_sandbox(tmp_path, body, memory_mb=200))
+    assert violation.startswith("memory limit exceeded"), (violation, output)
+    assert code != 4, "the runner was ended, not left to finish"
 
 
 def test_no_target_where_a_fork_cannot_enter(tmp_path: Path) -> None:

@@ -26,6 +26,23 @@ def process_tree(pid: int, children: dict[int, list[int]] | None = None) -> list
     return out
 
 
+def pid_namespace(pid: int | str) -> int | None:
+    """The inode of pid's pid namespace (None when it is gone or hidden)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def namespace_members(namespaces: set[int]) -> dict[int, list[int]]:
+    """Every visible process of each pid namespace in `namespaces`: namespace inode -> pids."""
+    members: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (ns := pid_namespace(name)) in namespaces:
+            members.setdefault(ns, []).append(int(name))
+    return members
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL pid and its descendants. Stopping the sandbox's pid-namespace init takes the rest
     down with it; the explicit walk covers processes that are mid-fork."""

@@ -3,7 +3,9 @@ reports it can no longer run commands (its process budget exhausted).
 
 One daemon thread per host process watches every live sandbox (it cannot be killed from
 inside a sandbox, unlike anything running there). Each tick it reads /proc once, sums the
-anonymous memory of each sandbox's process tree, checks lifetimes, and walks workspaces on
+anonymous memory of each sandbox's processes (its process tree, and every process of the pid
+namespaces that tree's processes entered, so a process put into the sandbox from outside, such as
+a prefork server's runner (harness/prefork.py), counts too), checks lifetimes, and walks workspaces on
 an adaptive schedule (a big repo is walked less often). A sandbox over a limit is killed
 whole and its ``violation`` says why; the next request to it raises SandboxError with that
 reason.
@@ -18,7 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from legorl.sandbox.procs import anon_kib, children_map, kill_tree, process_tree
+from legorl.sandbox.procs import (
+    anon_kib,
+    children_map,
+    kill_tree,
+    namespace_members,
+    pid_namespace,
+    process_tree,
+)
 
 TICK_S = 0.25
 MIN_WALK_INTERVAL_S = 0.5
@@ -93,6 +102,17 @@ class Watch:
             return ""
 
 
+def sandbox_processes(roots: list[int]) -> dict[int, set[int]]:
+    """Each root's processes: its process tree, and every process of the pid namespaces the tree's
+    processes are in other than the watchdog's own (the sandbox's, whoever started the process)."""
+    children = children_map()
+    trees = {root: set(process_tree(root, children)) for root in roots}
+    host = pid_namespace("self")
+    spaces = {root: {ns for p in tree if (ns := pid_namespace(p)) not in (None, host)} for root, tree in trees.items()}
+    members = namespace_members(set().union(*spaces.values()))
+    return {root: tree.union(*(members.get(ns, ()) for ns in spaces[root])) for root, tree in trees.items()}
+
+
 class Watchdog:
     def __init__(self, tick: float = TICK_S) -> None:
         self.tick = tick
@@ -125,7 +145,8 @@ class Watchdog:
 
     def check(self, watches: list[Watch]) -> None:
         now = time.monotonic()
-        children = children_map() if any(w.memory_bytes for w in watches) else {}
+        memory = [w for w in watches if w.memory_bytes and not w.violation]
+        processes = sandbox_processes([w.pid for w in memory]) if memory else {}
         for w in watches:
             if w.violation:
                 continue
@@ -136,7 +157,7 @@ class Watchdog:
                 w.kill(failure)
                 continue
             if w.memory_bytes:
-                used = 1024 * sum(anon_kib(p) for p in process_tree(w.pid, children))
+                used = 1024 * sum(anon_kib(p) for p in processes.get(w.pid, ()))
                 w.peak_memory_bytes = max(w.peak_memory_bytes, used)
                 if used > w.memory_bytes:
                     w.kill(f"memory limit exceeded: {used >> 20} MiB > {w.memory_bytes >> 20} MiB")
