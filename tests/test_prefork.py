@@ -137,6 +137,61 @@ def test_the_watchdog_counts_a_forked_runners_memory(tmp_path: Path) -> None:
     assert code != 4, "the runner was ended, not left to finish"
 
 
+def test_an_episode_cancelled_while_the_server_starts_leaves_one_server(tmp_path: Path, monkeypatch) -> None:
+    """A busy machine imports the SDK slowly: an episode that runs out of time meanwhile must neither kill
+    the start the next episodes wait on nor leave a server nobody owns (a mixed run once started 98)."""
+    from legorl.harness import openhands
+    from legorl.harness.openhands import OpenHandsHarness
+
+    slow = tmp_path / "slow_runner.py"
+    slow.write_text("import time\n\ndef preload():\n    time.sleep(2)\n\ndef main():\n    return 0\n")
+    monkeypatch.setattr(openhands, "RUNNER", slow)
+    starts = []
+    real_start = PreforkServer.start
+
+    async def counted(self, timeout: float = 120.0) -> None:
+        starts.append(self)
+        await real_start(self, timeout)
+
+    monkeypatch.setattr(PreforkServer, "start", counted)
+
+    async def scenario():
+        harness = OpenHandsHarness()
+        harness.binary = str(OPENHANDS_PYTHON)
+        first = asyncio.ensure_future(harness.prefork_server())
+        waiting = asyncio.ensure_future(harness.prefork_server())
+        await asyncio.sleep(0.5)
+        first.cancel()  # its episode ran out of time while the server imported
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        server = await waiting
+        again = await harness.prefork_server()
+        alive = server.alive
+        await harness.close()
+        return server, again, alive
+
+    server, again, alive = asyncio.run(scenario())
+    assert alive and again is server and starts == [server]
+    assert not server.alive, "closing the harness ends its server"
+
+
+def test_a_server_cancelled_while_it_starts_is_ended(tmp_path: Path) -> None:
+    slow = tmp_path / "slow_runner.py"
+    slow.write_text("import time\n\ndef preload():\n    time.sleep(30)\n\ndef main():\n    return 0\n")
+
+    async def scenario():
+        server = PreforkServer(str(OPENHANDS_PYTHON), slow, {"PATH": os.environ["PATH"]})
+        start = asyncio.ensure_future(server.start())
+        await asyncio.sleep(1)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        return server
+
+    server = asyncio.run(scenario())
+    assert server.proc is not None and server.proc.returncode is not None and server.dir is None
+
+
 def test_no_target_where_a_fork_cannot_enter(tmp_path: Path) -> None:
     assert sandbox_target(str(tmp_path / "nowhere" / "ctl" / "control.sock")) is None
 

@@ -62,7 +62,7 @@ class OpenHandsHarness(SandboxedCLI):
     visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
     runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
     server: PreforkServer | None = field(default=None, init=False)  # started by the first episode it can serve
-    _server_lock: asyncio.Lock | None = field(default=None, init=False)
+    _starting: asyncio.Future[PreforkServer] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.refuse_switches("OpenHands", TOOLS, "terminal")
@@ -87,20 +87,28 @@ class OpenHandsHarness(SandboxedCLI):
 
     async def prefork_server(self) -> PreforkServer:
         """The prefork server, started once (again if it died): with the environment an episode's imports see,
-        nothing of the driver's."""
-        self._server_lock = self._server_lock or asyncio.Lock()
-        async with self._server_lock:
-            if self.server is not None and not self.server.alive:  # it died: a new one for the episodes to come
-                await self.server.close()
-                self.server = None
-            if self.server is None:
-                server = PreforkServer(str(self.binary), RUNNER,
-                                       {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env(None)})
-                await server.start()
-                self.server = server
+        nothing of the driver's. Its start is one task shared by the episodes waiting on it and shielded from
+        their cancellation: an episode that runs out of time while the SDK imports (slow on a busy machine)
+        leaves the start going for the next, and never a server that nobody owns."""
+        if self.server is not None and not self.server.alive:  # it died: a new one for the episodes to come
+            dead, self.server = self.server, None
+            await dead.close()
+        if self.server is None:
+            if self._starting is None or self._starting.done():
+                self._starting = asyncio.ensure_future(self._start_server())
+            self.server = await asyncio.shield(self._starting)
         return self.server
 
+    async def _start_server(self) -> PreforkServer:
+        server = PreforkServer(str(self.binary), RUNNER, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                                          **self.env(None)})
+        await server.start()
+        return server
+
     async def close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()  # PreforkServer.start ends its process when cancelled
+            await asyncio.gather(self._starting, return_exceptions=True)
         if self.server is not None:
             await self.server.close()
             self.server = None

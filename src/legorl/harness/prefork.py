@@ -145,6 +145,9 @@ class PreforkServer:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         except TimeoutError:
             line = b""
+        except BaseException:  # cancelled while it imports: no server is left behind
+            await asyncio.shield(self.close())
+            raise
         if line.strip() != b"ready":
             tail = log.read_text(errors="replace")[-2000:]
             await self.close()
