@@ -80,8 +80,13 @@ def test_start_finds_the_openhands_python_and_what_the_sandbox_must_show(tmp_pat
     if not OPENHANDS_PYTHON.exists():
         pytest.skip("needs the OpenHands environment (make setup-test)")
     harness = OpenHandsHarness()
-    asyncio.run(harness.start())
-    assert harness.binary == str(OPENHANDS_PYTHON)
+
+    async def start_and_close() -> None:
+        await harness.start()  # as root it begins the prefork server's start too; close() ends it
+        await harness.close()
+
+    asyncio.run(start_and_close())
+    assert harness.binary == str(OPENHANDS_PYTHON) and harness.server is None
     prefix, base = (Path(p) for p in harness.visible_paths)
     assert prefix == OPENHANDS_PYTHON.parent.parent.resolve() and (base / "lib").is_dir()
 

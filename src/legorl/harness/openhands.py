@@ -39,6 +39,8 @@ from legorl.harness.prefork import PreforkServer, sandbox_target
 OPENHANDS_PYTHON = Path(__file__).resolve().parents[3] / ".venv" / "openhands" / "bin" / "python"
 RUNNER = Path(__file__).with_name("openhands_runner.py")
 RUNNER_IN_SANDBOX = "/tmp/.legorl-openhands/runner.py"
+# The server's imports take ~6 CPU-s; waited on by whichever episodes need it, not bounded by their timeouts.
+SERVER_START_TIMEOUT = 600.0
 # The SDK's tools an agent can be given (`finish` and `think` come with every agent).
 TOOLS = ("terminal", "file_editor", "task_tracker", "task")
 DEFAULT_TOOLS = ["terminal", "file_editor", "task_tracker"]  # the SDK's default CLI agent, without sub-agents
@@ -61,7 +63,7 @@ class OpenHandsHarness(SandboxedCLI):
     name: str = "openhands"
     visible_paths: tuple[str, ...] = field(default=(), init=False)  # set by start(): what the sandbox must show
     runner: str = field(default="", init=False)  # set by start(): the runner's source, written into each sandbox
-    server: PreforkServer | None = field(default=None, init=False)  # started by the first episode it can serve
+    server: PreforkServer | None = field(default=None, init=False)  # started by start() or the first episode
     _starting: asyncio.Future[PreforkServer] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -76,14 +78,19 @@ class OpenHandsHarness(SandboxedCLI):
         if not python.exists():
             raise HarnessCrashed(f"the OpenHands environment's Python was not found at {python}: run `make "
                                  "setup-test` (it builds .venv/openhands with Python 3.12), or set it as the binary")
-        probe = "import sys, openhands.sdk; print(sys.prefix); print(sys.base_prefix)"
+        # Found, not imported (~6 CPU-s): the prefork server or the first runner reports an SDK that cannot load.
+        probe = ("import importlib.util, sys; assert importlib.util.find_spec('openhands.sdk'), 'no openhands.sdk'; "
+                 "print(sys.prefix); print(sys.base_prefix)")
         r = await asyncio.to_thread(subprocess.run, [str(python), "-c", probe], capture_output=True, text=True,
                                     timeout=120)
         if r.returncode != 0:
-            raise HarnessCrashed(f"{python} cannot import the OpenHands SDK: {r.stderr[-1000:]}")
+            raise HarnessCrashed(f"{python} has no OpenHands SDK: {r.stderr[-1000:]}")
         self.binary = str(python)  # not resolved: a venv's python finds its packages through its own path
         self.visible_paths = tuple(os.path.realpath(p) for p in r.stdout.split())
         self.runner = RUNNER.read_text()
+        if self.prefork and os.geteuid() == 0:  # where a fork can enter a sandbox (bwrap under root): import now,
+            # on a machine not yet busy with episodes (beside 50 CLI episodes on 2 cores, the imports took minutes)
+            self._starting = asyncio.ensure_future(self._start_server())
 
     async def prefork_server(self) -> PreforkServer:
         """The prefork server, started once (again if it died): with the environment an episode's imports see,
@@ -91,18 +98,18 @@ class OpenHandsHarness(SandboxedCLI):
         their cancellation: an episode that runs out of time while the SDK imports (slow on a busy machine)
         leaves the start going for the next, and never a server that nobody owns."""
         if self.server is not None and not self.server.alive:  # it died: a new one for the episodes to come
-            dead, self.server = self.server, None
+            dead, self.server, self._starting = self.server, None, None
             await dead.close()
-        if self.server is None:
-            if self._starting is None or self._starting.done():
-                self._starting = asyncio.ensure_future(self._start_server())
-            self.server = await asyncio.shield(self._starting)
+        if self._starting is None or (self._starting.done() and (self._starting.cancelled()
+                                                                 or self._starting.exception() is not None)):
+            self._starting = asyncio.ensure_future(self._start_server())
+        self.server = await asyncio.shield(self._starting)
         return self.server
 
     async def _start_server(self) -> PreforkServer:
         server = PreforkServer(str(self.binary), RUNNER, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                                           **self.env(None)})
-        await server.start()
+        await server.start(timeout=SERVER_START_TIMEOUT)
         return server
 
     async def close(self) -> None:
