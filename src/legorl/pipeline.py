@@ -595,9 +595,11 @@ class Driver:
         tasks = tasks if tasks is not None else (self.heldout_tasks if split == "heldout" else self.train_tasks)
         k = samples or self.cfg.eval.samples
         names = self.cfg.harness.names
-        per_task = [name for name in names for _ in tasks]
-        rollouts = await self.rollouts(tasks * len(names), step, k, f"eval-{split}",
-                                       harnesses=per_task if len(names) > 1 else None)
+        # Each task through every harness in turn: in harness blocks, one CLI's episodes would fill every slot
+        # at once (54 OpenCode starts on 2 cores timed out where a mix of harnesses did not).
+        pairs = [(task, name) for task in tasks for name in names]
+        rollouts = await self.rollouts([t for t, _ in pairs], step, k, f"eval-{split}",
+                                       harnesses=[n for _, n in pairs] if len(names) > 1 else None)
         by_harness = {name: [r for r in rollouts if r.harness == name] for name in names}
         by_id = {t.instance_id: t for t in tasks}
         kind = {r.id: failure_kind(r, by_id.get(r.task_id)) for r in rollouts}  # each rollout analysed once
