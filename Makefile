@@ -107,6 +107,7 @@ test: export LEGORL_REQUIRE_VLLM := 1
 test: setup-test setup-sandbox-image
 	$(VENV)/bin/legorl doctor
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: export LEGORL_REQUIRE_DOCKER := 1

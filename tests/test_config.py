@@ -68,7 +68,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
 def test_cli_reports_config_error_without_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
                         "--run-dir", str(tmp_path / "r"), "sampling.temperature=-1"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2
     assert "sampling.temperature" in p.stderr and "Traceback" not in p.stderr
 
@@ -76,7 +76,8 @@ def test_cli_reports_config_error_without_traceback(tmp_path):
 def test_empty_rl_task_pool_fails_before_anything_starts(tmp_path):
     p = subprocess.run([sys.executable, "-m", "legorl.cli", "train", "--config", str(ROOT / "configs/smoke.yaml"),
                         "--run-dir", str(tmp_path / "r"), "rollout.task_pool=undemonstrated", "sft.enabled=true",
-                        "sft.demos=8", "tasks.n_train=8"], capture_output=True, text=True, timeout=120)
+                        "sft.demos=8", "tasks.n_train=8"], capture_output=True, text=True, timeout=120,
+                       check=False)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "rollout.task_pool" in p.stderr and "tasks.n_train" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r" / "store.sqlite").exists()

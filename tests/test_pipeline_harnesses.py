@@ -62,8 +62,8 @@ def test_toy_pipeline_through_the_cli(harness, tmp_path, cache_dir):
 @pytest.mark.parametrize(("names", "overrides"), [
     (["mini-swe-agent", "claude-code", "codex"], "{claude-code: {tools: [Bash]}, codex: {tools: [exec_command]}}"),
     # the published mixed run (configs/demo-published.yaml)
-    (["openhands", "opencode", "claude-code"], "{openhands: {tools: [terminal]}, opencode: {tools: [bash]}, "
-                                               "claude-code: {tools: [Bash]}}"),
+    (["openhands", "opencode", "claude-code"], ("{openhands: {tools: [terminal]}, opencode: {tools: [bash]}, "
+                                                "claude-code: {tools: [Bash]}}")),
 ], ids=["mini-claude-codex", "published"])
 def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir, names, overrides):
     missing = [n for n in names if n in CLI and not CLI[n].exists()]

@@ -53,7 +53,7 @@ def ray_run(ray_cluster, tmp_path_factory, cache_dir):
 
 
 def test_two_steps_on_two_workers(ray_run):
-    run_dir, summary, leftovers = ray_run
+    run_dir, summary, _ = ray_run
     assert summary["steps"] == 2
     assert json.loads((run_dir / "summary.json").read_text())["sft"]["sft/demos_resolved"] == 2
 

@@ -18,8 +18,8 @@ TOY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=12
        "harness.step_limit=2", "tasks.n_train=6", "tasks.n_heldout=1"]
 
 
-def legorl(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "legorl.cli", *args], capture_output=True, text=True, **kw)
+def legorl(*args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "legorl.cli", *args], capture_output=True, text=True, check=check, **kw)
 
 
 def report(run_dir: Path) -> dict:

@@ -66,7 +66,7 @@ def test_a_recovery_demonstration_slips_sees_no_change_and_then_fixes(tmp_path):
         subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
         subprocess.run(git + ["add", "-A"], cwd=repo, check=True)
         subprocess.run(git + ["commit", "-qm", "buggy"], cwd=repo, check=True)
-        read, slip, redo, submit = teacher_script(task, check_edits=True, slip=True)
+        _read, slip, redo, _submit = teacher_script(task, check_edits=True, slip=True)
         assert isinstance(slip, Slip) and not isinstance(redo, Slip)
         assert _command(slip).endswith(CHECK) and _command(redo).endswith(CHECK)
         assert subprocess.run(["bash", "-c", _command(slip)], cwd=repo, capture_output=True, text=True,
@@ -74,9 +74,10 @@ def test_a_recovery_demonstration_slips_sees_no_change_and_then_fixes(tmp_path):
         out = subprocess.run(["bash", "-c", _command(redo)], cwd=repo, capture_output=True, text=True, check=True).stdout
         assert "1 file changed" in out, out
         edit = gold_line_edit(task.patch)
-        fixed = subprocess.run(["git", "apply", "--cached", "-"], input=task.patch, text=True, cwd=repo)
+        fixed = subprocess.run(["git", "apply", "--cached", "-"], input=task.patch, text=True, cwd=repo, check=False)
         assert fixed.returncode == 0
-        gold = subprocess.run(["git", "show", f":{edit.path}"], cwd=repo, capture_output=True, text=True).stdout
+        gold = subprocess.run(["git", "show", f":{edit.path}"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout
         assert (repo / edit.path).read_text() == gold
 
 

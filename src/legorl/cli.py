@@ -156,7 +156,7 @@ def report(
 
 def _check(cmd: list[str]) -> tuple[bool, str]:
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, str(e)
     return p.returncode == 0, (p.stderr or p.stdout).strip()[-200:]
@@ -224,8 +224,8 @@ def _doctor_model(model: Path, as_json: bool, tool_format: str, max_context: int
     """`legorl doctor --model DIR`: the preflight's checks as a table (or JSON); status 1 when one fails."""
     from dataclasses import asdict
 
-    from legorl.preflight import FAIL, OK, failed, preflight
     from legorl.models.toolformats import parser_names
+    from legorl.preflight import FAIL, OK, failed, preflight
 
     if not model.is_dir():
         _fail(f"{model} is not a directory (give a model directory as save_pretrained writes it)")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 import transformers
@@ -181,7 +181,7 @@ class Driver:
             1, thread_name_prefix="legorl-trainer",
             initializer=functools.partial(torch.set_num_threads, threads) if threads else None)
 
-    async def __aenter__(self) -> Driver:
+    async def __aenter__(self) -> Self:
         cfg = self.cfg
         self.train_tasks, self.heldout_tasks = load_tasks(cfg)
         self.rl_pool()  # a task pool the config leaves empty fails now, before anything starts
@@ -328,7 +328,7 @@ class Driver:
         for closer in closers:
             try:
                 await closer()
-            except Exception as e:  # keep closing the rest
+            except Exception as e:  # noqa: BLE001 - keep closing the rest
                 console.print(f"[yellow]while shutting down: {type(e).__name__}: {e}")
         await reap_sandboxes(self.cfg.sandbox, self.run_dir / "sandboxes", self.label)
         shutil.rmtree(self._sock_dir, ignore_errors=True)

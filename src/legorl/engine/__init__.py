@@ -16,9 +16,7 @@ _WHERE = {
     "sample_token": "sampling", "sampling_logprobs": "sampling", "token_logprobs": "sampling",
 }
 
-__all__ = [
-    *_WHERE,
-]
+__all__ = list(_WHERE)  # the lazy names, listed once above
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ class SandboxEnvironment(LocalEnvironment):
         limit = timeout or self.config.timeout
         try:
             r = self.client.exec(command, timeout=limit, cwd=cwd or self.config.cwd or None, env=self.config.env or None)
-        except Exception as e:  # the sandbox is gone (killed, deadline): report it like mini does
+        except Exception as e:  # noqa: BLE001 - the sandbox is gone (killed, deadline): report it like mini does
             output = {"output": "", "returncode": -1,
                       "exception_info": f"An error occurred while executing the command: {e}",
                       "extra": {"exception_type": type(e).__name__, "exception": str(e)}}

@@ -54,16 +54,15 @@ class _Worker:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         env = dict(os.environ)
         env.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(self.log_path.parent / "mini-swe-agent-config"))
-        self.proc = await asyncio.create_subprocess_exec(
-            # The label names the run in the process list, so a killed run's leftovers can be found.
-            sys.executable, "-m", "legorl.harness.mini_worker", "--label", self.label,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
-            start_new_session=True, limit=64 * 1024 * 1024,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230 - a local append: instant
+            self.proc = await asyncio.create_subprocess_exec(
+                # The label names the run in the process list, so a killed run's leftovers can be found.
+                sys.executable, "-m", "legorl.harness.mini_worker", "--label", self.label,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True, limit=64 * 1024 * 1024,
+            )
         line = await self.proc.stdout.readline()
         if not line or json.loads(line).get("op") != "ready":
             raise HarnessCrashed(f"mini-swe-agent worker failed to start; see {self.log_path}")

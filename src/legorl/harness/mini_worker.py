@@ -58,7 +58,7 @@ def run_episode(req: dict[str, Any]) -> dict[str, Any]:
     try:
         info = agent.run(req["task"])
         result["exit_status"] = info.get("exit_status", "")
-    except Exception as e:  # mini re-raises uncaught errors after recording them
+    except Exception as e:  # noqa: BLE001 - mini re-raises uncaught errors after recording them
         result["exit_status"] = type(e).__name__
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-4000:]
@@ -72,7 +72,7 @@ def run_episode(req: dict[str, Any]) -> dict[str, Any]:
 def _serve_one(req: dict[str, Any]) -> None:
     try:
         _reply(run_episode(req))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a broken request is answered, and the worker serves the next
         _reply({"rollout_id": req.get("rollout_id"), "exit_status": "WorkerError", "n_calls": 0,
                 "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})
 

@@ -362,7 +362,7 @@ def builtin_task_text(rng: random.Random) -> str:
     from legorl.tasks.builtin import FAMILIES, HELPERS, WORDS
 
     bug = FAMILIES[rng.choice(sorted(FAMILIES))](rng)
-    names, helper_src, helper_call = rng.choice(HELPERS)
+    names, helper_src, _call = rng.choice(HELPERS)
     helper = helper_src.format(g=rng.choice(names))
     path = f"pkg_{rng.choice(WORDS)}{rng.randint(10, 99)}/{bug.module}.py"
     return (

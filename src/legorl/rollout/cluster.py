@@ -188,7 +188,7 @@ class RolloutWorker:
         for closer in closers:
             try:
                 await closer()
-            except Exception as e:  # keep closing the rest
+            except Exception as e:  # noqa: BLE001 - keep closing the rest
                 print(f"rollout worker {self.index}: while shutting down: {type(e).__name__}: {e}")
         await reap_sandboxes(self.cfg.sandbox, self.dir / "sandboxes", self.label)
         if hasattr(self, "_sock_dir"):
@@ -257,7 +257,7 @@ class RayCluster:
             need = f"{r.workers} x {r.num_cpus} free CPUs (ray.workers x ray.num_cpus)"
             raise RuntimeError(f"the Ray rollout workers did not start within {START_WAIT_S:.0f}s: "
                                f"has the cluster {need}?") from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever stopped a worker, the others are closed and it is said
             await self.close()
             raise RuntimeError(f"a Ray rollout worker failed to start: {e}") from None
         for w, info in zip(self.workers, infos):
@@ -309,7 +309,7 @@ class RayCluster:
             worker.actor.cancel.remote(rid)
             try:
                 rollout = await asyncio.wait_for(result, CANCEL_WAIT_S)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a worker that cannot answer: the rollout is still recorded
                 rollout = self._ended(stub, Outcome.AGENT_TIMEOUT, f"{CANCELLED_REASON} ({type(e).__name__})")
             self._record(rollout)
             raise

@@ -121,7 +121,7 @@ async def _grade(ctx: EpisodeContext, task: Task, diff: str, work_dir: Path, pla
             return empty_patch_report(task)
         return await grade(task, diff, work_dir=work_dir, timeout=ctx.grading_timeout, hide_paths=ctx.hide_paths,
                            sandbox=ctx.sandbox, label=ctx.label)
-    except Exception as e:  # a grader bug must not take the step down
+    except Exception as e:  # noqa: BLE001 - a grader bug must not take the step down
         return GraderReport(resolved=False, outcome=Outcome.GRADER_ERROR, reason=f"{type(e).__name__}: {e}")
 
 
@@ -156,7 +156,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                 limits=ctx.limits, inside_workspace=task.workdir, sandbox_uid=ctx.sandbox_uid,
                 cpus=task.limits.get("cpus"), image=task.image, environment=task.environment,
                 visible_paths=getattr(agent, "visible_paths", ()))  # host paths the harness runs from
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a sandbox that cannot start is this rollout's outcome, not the step's
             facts.sandbox_error = f"sandbox set-up failed: {type(e).__name__}: {e}"
         rollout.timings["setup_s"] = time.time() - t0
 
@@ -179,7 +179,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
                 facts.sandbox_error = sandbox.violation or str(e)
             except HarnessCrashed as e:
                 facts.crashed = str(e)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a harness adapter's bug is this rollout's crash
                 facts.crashed = f"{type(e).__name__}: {e}"
             finally:
                 # Closing the session first makes any late call of a timed-out agent fail fast.
@@ -191,7 +191,7 @@ async def run_episode(ctx: EpisodeContext, task: Task, *, step: int, group_id: s
             try:
                 if not facts.sandbox_error:
                     rollout.diff = await _diff(sandbox, plan)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - an unreadable workspace is this rollout's outcome
                 facts.sandbox_error = f"could not read the workspace diff: {type(e).__name__}: {e}"
             await sandbox.close()
 

@@ -110,7 +110,7 @@ async def _discard(proc: Spawned, start_timeout: float) -> None:
     try:
         assert proc.stdout is not None
         await asyncio.wait_for(proc.stdout.readline(), start_timeout)
-    except Exception:  # noqa: BLE001 - any end of the start will do; the kill follows
+    except Exception:  # noqa: BLE001, S110 - any end of the start will do; the kill follows
         pass
     finally:
         kill_tree(proc.pid)
