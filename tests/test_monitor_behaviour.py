@@ -1,4 +1,4 @@
-"""Behaviour analytics on hand-built trajectories in mini-swe-agent, Claude Code and Codex styles."""
+"""Behaviour analytics on hand-built trajectories in mini-swe-agent, Claude Code, Codex and OpenHands styles."""
 
 from __future__ import annotations
 
@@ -164,6 +164,28 @@ def test_codex_malformed_arguments_are_format_errors() -> None:
     b = analyse_calls(codex_trajectory(bad_args=True), "codex")
     assert b.format_errors == 1
     assert b.mix["other"] == 1  # the malformed call could not be classified
+
+
+# ---- OpenHands SDK: OpenAI Chat, `terminal`; a reply without a tool call finishes the conversation ----------
+def test_openhands_text_reply_is_its_submit_not_a_format_error() -> None:
+    steps = ["cat pkg/geometry.py", "sed -i 's|w + h|w * h|' pkg/geometry.py", None]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are OpenHands agent."},
+                                  {"role": "user", "content": "Fix area()."}]
+    terminal = [{"type": "function", "function": {"name": "terminal", "parameters": {"type": "object"}}}]
+    calls = []
+    for i, cmd in enumerate(steps):
+        req = {"model": "m", "messages": list(msgs), "tools": terminal}
+        if cmd is None:
+            calls.append(call(i, req, [], text="Done"))
+            break
+        tc = ToolCall(id=f"c{i}", name="terminal", arguments=json.dumps({"command": cmd}))
+        calls.append(call(i, req, [tc]))
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": tc.id, "type": "function", "function": {"name": "terminal", "arguments": tc.arguments}}]})
+        msgs.append({"role": "tool", "tool_call_id": tc.id, "content": f"out {i}"})
+    b = analyse_calls(calls, "openhands")
+    assert (b.turns, b.tool_calls, b.text_only_turns, b.format_errors) == (3, 2, 1, 0)
+    assert b.submitted and dict(b.mix) == {"read": 1, "edit": 1}
 
 
 def test_codex_tool_results_parsed() -> None:

@@ -33,7 +33,8 @@ FORMAT_ERROR_FEEDBACK = re.compile(
     re.IGNORECASE,
 )
 # Harnesses that demand a tool call on every turn: a text-only turn there is a format error, not an answer.
-TOOL_REQUIRED_HARNESSES = ("mini-swe-agent", "mini", "swe-agent", "sweagent", "openhands")
+# (Not the OpenHands SDK: a reply without a tool call finishes its conversation, as Claude Code's does.)
+TOOL_REQUIRED_HARNESSES = ("mini-swe-agent", "mini", "swe-agent", "sweagent")
 
 
 def tool_required(harness: str) -> bool:
