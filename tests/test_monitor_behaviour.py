@@ -24,6 +24,16 @@ def call(i: int, request: dict[str, Any], tool_calls: list[ToolCall], text: str 
                    tool_calls=tool_calls)
 
 
+def chat_tool_turn(calls: list[LLMCall], msgs: list[dict[str, Any]], i: int, request: dict[str, Any], tool: str,
+                   command: str, output: str) -> None:
+    """Call i asks `tool` to run `command` (OpenAI Chat); its answer and the tool's output join the messages."""
+    tc = ToolCall(id=f"c{i}", name=tool, arguments=json.dumps({"command": command}))
+    calls.append(call(i, request, [tc]))
+    msgs.append({"role": "assistant", "content": "", "tool_calls": [
+        {"id": tc.id, "type": "function", "function": {"name": tool, "arguments": tc.arguments}}]})
+    msgs.append({"role": "tool", "tool_call_id": tc.id, "content": output})
+
+
 # ---- mini-swe-agent: OpenAI Chat, one `bash` tool, format errors answered by a user note ------------------
 def mini_trajectory() -> list[LLMCall]:
     cmds = ["grep -rn 'def net_price' .", "cat pkg/pricing.py", None,
@@ -39,11 +49,7 @@ def mini_trajectory() -> list[LLMCall]:
             msgs.append({"role": "user", "content": "Tool call error:\n<error>\nNo tool calls found in the response. "
                                                     "Every response MUST include at least one tool call.\n</error>"})
             continue
-        tc = ToolCall(id=f"c{i}", name="bash", arguments=json.dumps({"command": cmd}))
-        calls.append(call(i, req, [tc]))
-        msgs.append({"role": "assistant", "content": "", "tool_calls": [
-            {"id": tc.id, "type": "function", "function": {"name": "bash", "arguments": tc.arguments}}]})
-        msgs.append({"role": "tool", "tool_call_id": tc.id, "content": f"<returncode>0</returncode> out {i}"})
+        chat_tool_turn(calls, msgs, i, req, "bash", cmd, f"<returncode>0</returncode> out {i}")
     return calls
 
 
@@ -178,11 +184,7 @@ def test_openhands_text_reply_is_its_submit_not_a_format_error() -> None:
         if cmd is None:
             calls.append(call(i, req, [], text="Done"))
             break
-        tc = ToolCall(id=f"c{i}", name="terminal", arguments=json.dumps({"command": cmd}))
-        calls.append(call(i, req, [tc]))
-        msgs.append({"role": "assistant", "content": "", "tool_calls": [
-            {"id": tc.id, "type": "function", "function": {"name": "terminal", "arguments": tc.arguments}}]})
-        msgs.append({"role": "tool", "tool_call_id": tc.id, "content": f"out {i}"})
+        chat_tool_turn(calls, msgs, i, req, "terminal", cmd, f"out {i}")
     b = analyse_calls(calls, "openhands")
     assert (b.turns, b.tool_calls, b.text_only_turns, b.format_errors) == (3, 2, 1, 0)
     assert b.submitted and dict(b.mix) == {"read": 1, "edit": 1}
