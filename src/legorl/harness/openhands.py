@@ -34,7 +34,7 @@ from typing import Any
 
 from legorl.harness.base import HarnessCrashed, HarnessResult, HarnessRun
 from legorl.harness.in_sandbox import SandboxedCLI, exec_cli, last_json, write_files
-from legorl.harness.prefork import PreforkServer, sandbox_target
+from legorl.harness.prefork import PreforkServer, forks_can_enter_sandboxes, sandbox_target
 
 OPENHANDS_PYTHON = Path(__file__).resolve().parents[3] / ".venv" / "openhands" / "bin" / "python"
 RUNNER = Path(__file__).with_name("openhands_runner.py")
@@ -88,8 +88,8 @@ class OpenHandsHarness(SandboxedCLI):
         self.binary = str(python)  # not resolved: a venv's python finds its packages through its own path
         self.visible_paths = tuple(os.path.realpath(p) for p in r.stdout.split())
         self.runner = RUNNER.read_text()
-        if self.prefork and os.geteuid() == 0:  # where a fork can enter a sandbox (bwrap under root): import now,
-            # on a machine not yet busy with episodes (beside 50 CLI episodes on 2 cores, the imports took minutes)
+        if self.prefork and forks_can_enter_sandboxes():  # the server will be used: it imports now, on a machine
+            # not yet busy with episodes (beside 50 CLI episodes on 2 cores, the imports took minutes)
             self._starting = asyncio.ensure_future(self._start_server())
 
     async def prefork_server(self) -> PreforkServer:

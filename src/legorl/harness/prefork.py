@@ -82,9 +82,14 @@ def _limits(pid: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def forks_can_enter_sandboxes() -> bool:
+    """Entering a sandbox's namespaces and cgroup takes root (bwrap under a root driver; see the module doc)."""
+    return os.geteuid() == 0
+
+
 def sandbox_target(control_socket: str) -> SandboxTarget | None:
     """The sandbox whose control socket is `control_socket`, if a fork can enter it (see the module doc)."""
-    if os.geteuid() != 0:
+    if not forks_can_enter_sandboxes():
         return None
     try:
         label = json.loads((Path(control_socket).parents[1] / "label.json").read_text())
