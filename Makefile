@@ -104,10 +104,8 @@ $(VENV)/.setup-model-smollm2: setup
 
 test: export LEGORL_REQUIRE_DOCKER := 1
 test: export LEGORL_REQUIRE_VLLM := 1
-test: setup-test setup-sandbox-image
+test: setup-test setup-sandbox-image lint
 	$(VENV)/bin/legorl doctor
-	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: export LEGORL_REQUIRE_DOCKER := 1
@@ -115,7 +113,9 @@ test-all: export LEGORL_REQUIRE_VLLM := 1
 test-all: setup-test setup-sandbox-image
 	$(PY) -m pytest -q
 
+# The layering contracts (pyproject's importlinter) and ruff; part of `make test`
 lint: setup-test
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check src tests bench
 
 clean:
