@@ -34,12 +34,13 @@ FORMAT_ERROR_FEEDBACK = re.compile(
 )
 # Harnesses that demand a tool call on every turn: a text-only turn there is a format error, not an answer.
 # (Not the OpenHands SDK: a reply without a tool call finishes its conversation, as Claude Code's does.)
-TOOL_REQUIRED_HARNESSES = ("mini-swe-agent", "mini", "swe-agent", "sweagent")
+# mini-swe-agent is matched by prefix ("mini", "mini-swe-agent", "mini-swe-agent/text").
+TOOL_REQUIRED_HARNESSES = ("swe-agent", "sweagent")
 
 
 def tool_required(harness: str) -> bool:
     h = harness.lower()
-    return h in TOOL_REQUIRED_HARNESSES or h.startswith("mini")
+    return h.startswith("mini") or h in TOOL_REQUIRED_HARNESSES
 
 
 @dataclass
