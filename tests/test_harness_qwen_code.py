@@ -86,6 +86,23 @@ def test_qwen_code_shortened_by_its_own_switches(tokenizer, tmp_path):
 
 
 @needs_cli
+def test_its_shell_timeout_setting_ends_a_command_that_waits_on_stdin(tokenizer, tmp_path):
+    # `cat $(grep ...)` with nothing found is a bare `cat` waiting on stdin: with Qwen's default 120 s shell
+    # timeout it held RL steps for two minutes. Its own setting (configs/demo-qwen-code.yaml) bounds it; the
+    # harness timeout here (60 s) is shorter than the default, so the default would fail the episode.
+    seen: list[str] = []
+
+    def script(i: int, ids: list[int]) -> str:
+        seen.append(tokenizer.decode(ids, skip_special_tokens=False))
+        return render_tool_call_text("run_shell_command", {"command": "cat"}) if i == 0 else "Done."
+    result, _, calls, _ = asyncio.run(run_episode(
+        QwenCodeHarness(timeout=60, tools=["run_shell_command"], settings={"tools": {"shell": {"defaultTimeoutMs": 2000}}}),
+        tokenizer, tmp_path, script))
+    assert result.exit_status == "Submitted" and len(calls) == 2, result
+    assert "Command timed out after 2000ms" in seen[1].rsplit("<tool_response>", 1)[-1]
+
+
+@needs_cli
 def test_its_own_turn_limit_ends_a_qwen_code_episode_as_max_turns(tokenizer, tmp_path):
     always_shell = lambda i, ids: render_tool_call_text("run_shell_command", {"command": f"echo {i}"})
     result, session, calls, _ = asyncio.run(run_qwen(tokenizer, tmp_path, always_shell, max_calls=2,
