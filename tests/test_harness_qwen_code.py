@@ -3,9 +3,10 @@
 The scripted engine plays a short episode (read a file, edit it, run a check, finish) with the tools
 Qwen Code declares in its own request; the test checks the captured calls token by token, the edit
 in the workspace, that no side call (memory agent, next-speaker check, summaries) reaches the model,
-that its own turn limit (and its loop guard) ends the episode as max_turns, that a prompt past the
-context is context_overflow with Qwen's compression request in a side session, and that a Qwen Code
-that never reaches its model is no_model_calls.
+that its own turn limit (and its loop guard) ends the episode as max_turns, that its shell timeout
+setting ends a command waiting on stdin, that a prompt past the context is context_overflow with Qwen's
+compression request in a side session, and that a Qwen Code that never reaches its model is
+no_model_calls.
 """
 
 from __future__ import annotations
