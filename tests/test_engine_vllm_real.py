@@ -95,6 +95,46 @@ def test_group_cpu_s_counts_a_process_group() -> None:
     assert group_cpu_s(2**22 + 12345) == 0  # no such group
 
 
+def test_the_reaper_ends_a_server_group_that_ignores_sigterm_when_its_parent_is_killed() -> None:
+    """A vLLM server can hang in its graceful shutdown (a request in flight whose client died): when the
+    process that started it dies by SIGKILL, the reaper SIGKILLs the server's group after its grace period."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import wait_until
+
+    parent_src = (
+        "import subprocess, sys, time\n"
+        "from legorl.engine.vllm_server import start_reaper\n"
+        "stubborn = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'\n"
+        "server = subprocess.Popen([sys.executable, '-c', stubborn], start_new_session=True)\n"
+        "start_reaper(server.pid, grace_s=1.0)\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_src], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    server = int(parent.stdout.readline())
+
+    def gone() -> bool:  # no such process, or a zombie its new parent has yet to reap
+        try:
+            return Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+    try:
+        assert not gone()
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert wait_until(gone, timeout=60, interval=0.2), f"server group {server} outlived its killed parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server, signal.SIGKILL)
+
+
 def test_launcher_builds_the_command_and_refuses_what_vllm_mis_serves(tmp_path) -> None:
     """No server needed: the command line legorl runs, and its refusals (with the reasons)."""
     (tmp_path / "config.json").write_text("{}")

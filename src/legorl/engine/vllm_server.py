@@ -162,8 +162,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class VLLMServer:
     """A running server: ``url``, ``log_path``, ``stop()``."""
 
-    def __init__(self, cfg: VLLMServerConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.cfg, self.proc, self.log_path = cfg, proc, log_path
+    def __init__(self, cfg: VLLMServerConfig, proc: subprocess.Popen[bytes], log_path: Path,
+                 reaper: subprocess.Popen[bytes] | None = None) -> None:
+        self.cfg, self.proc, self.log_path, self.reaper = cfg, proc, log_path, reaper
         self.url = f"http://{cfg.host}:{cfg.port}"
 
     def cpu_s(self) -> float:
@@ -197,6 +198,7 @@ class VLLMServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        self._end_reaper()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group (vLLM runs its engine in child processes), then SIGKILL."""
@@ -210,6 +212,14 @@ class VLLMServer:
         with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        self._end_reaper()
+
+    def _end_reaper(self) -> None:
+        if self.reaper is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reaper.wait(5)  # it exits within a second of the group's end
+            self.reaper.kill()  # a group kept by unreaped zombies: no longer the reaper's business
+            self.reaper.wait()
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls into it
@@ -218,6 +228,51 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork
 def _die_with_parent() -> None:
     """In the child: SIGTERM when the process that started it dies, even by SIGKILL (Linux prctl)."""
     _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+# The reaper's whole program (run with this Python, no imports of legorl). SIGTERM (its parent died) or a
+# parent already gone: SIGTERM the group, SIGKILL it after the grace period. Otherwise it exits once the
+# group is gone (the server was stopped normally).
+_REAPER = """
+import ctypes, os, signal, sys, time
+pgid, parent, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+def reap(*_):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait
+        while alive() and time.monotonic() < end:
+            time.sleep(0.2)
+    os._exit(0)
+signal.signal(signal.SIGTERM, reap)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, set after the handler; a parent gone before: below
+while alive():
+    if os.getppid() != parent:
+        reap()
+    time.sleep(1)
+"""
+
+
+def start_reaper(pgid: int, grace_s: float = 15.0) -> subprocess.Popen[bytes]:
+    """A small process that ends process group ``pgid`` when this process dies, even by SIGKILL.
+
+    ``PR_SET_PDEATHSIG`` gives the vLLM server SIGTERM then, but its graceful shutdown can wait forever
+    on a request whose client died (a weight reload in flight: uvicorn's "Waiting for background tasks
+    to complete"), and its engine processes would outlive it: the reaper SIGKILLs the group after
+    ``grace_s``. It sets its own PR_SET_PDEATHSIG once its handler is in place (a SIGTERM before that would
+end it without reaping) and then checks that its parent is still there."""
+    return subprocess.Popen(
+        [sys.executable, "-I", "-c", _REAPER, str(pgid), str(os.getpid()), str(grace_s)],
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )
 
 
 def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = None,
@@ -242,7 +297,7 @@ def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = 
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - no lock or import in it
         )
-    return VLLMServer(cfg, proc, log_path)
+    return VLLMServer(cfg, proc, log_path, reaper=start_reaper(proc.pid) if die_with_parent else None)
 
 
 @contextlib.contextmanager
