@@ -230,47 +230,15 @@ def _die_with_parent() -> None:
     _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-# The reaper's whole program (run with this Python, no imports of legorl). SIGTERM (its parent died) or a
-# parent already gone: SIGTERM the group, SIGKILL it after the grace period. Otherwise it exits once the
-# group is gone (the server was stopped normally).
-_REAPER = """
-import ctypes, os, signal, sys, time
-pgid, parent, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-def alive():
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-def reap(*_):
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + wait
-        while alive() and time.monotonic() < end:
-            time.sleep(0.2)
-    os._exit(0)
-signal.signal(signal.SIGTERM, reap)
-ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, set after the handler; a parent gone before: below
-while alive():
-    if os.getppid() != parent:
-        reap()
-    time.sleep(1)
-"""
+REAPER = Path(__file__).with_name("vllm_reaper.py")
 
 
 def start_reaper(pgid: int, grace_s: float = 15.0) -> subprocess.Popen[bytes]:
-    """A small process that ends process group ``pgid`` when this process dies, even by SIGKILL.
-
-    ``PR_SET_PDEATHSIG`` gives the vLLM server SIGTERM then, but its graceful shutdown can wait forever
-    on a request whose client died (a weight reload in flight: uvicorn's "Waiting for background tasks
-    to complete"), and its engine processes would outlive it: the reaper SIGKILLs the group after
-    ``grace_s``. It sets its own PR_SET_PDEATHSIG once its handler is in place (a SIGTERM before that would
-end it without reaping) and then checks that its parent is still there."""
+    """A small process (vllm_reaper.py) that ends process group ``pgid`` when this process dies, even by
+    SIGKILL: SIGTERM, then SIGKILL after ``grace_s`` (a vLLM shutdown can hang on a request whose client
+    died)."""
     return subprocess.Popen(
-        [sys.executable, "-I", "-c", _REAPER, str(pgid), str(os.getpid()), str(grace_s)],
+        [sys.executable, "-P", str(REAPER), str(pgid), str(os.getpid()), str(grace_s)],
         stdin=subprocess.DEVNULL, start_new_session=True,
     )
 
@@ -297,6 +265,7 @@ def start(cfg: VLLMServerConfig, log_path: Path, *, python: str | Path | None = 
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509 - no lock or import in it
         )
+    # Both: the server's own PDEATHSIG covers the moment before the reaper runs, the reaper a shutdown that hangs.
     return VLLMServer(cfg, proc, log_path, reaper=start_reaper(proc.pid) if die_with_parent else None)
 
 
