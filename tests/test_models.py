@@ -143,7 +143,8 @@ def test_render_example(tok) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
     ]
     out = render(tok, msgs, TOOLS, gen=True)
-    assert out.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert out.startswith("<|im_start|>system\n# Tools\n")  # the tools before the system message
+    assert "</tool_call>\n\nBe brief.<|im_end|>\n<|im_start|>user\nFix it" in out
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in out
     assert out.endswith(
         "<|im_start|>user\nFix it<|im_end|>\n"

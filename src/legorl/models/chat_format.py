@@ -229,9 +229,9 @@ def legorl_assistant_text(content: str | None, tool_calls: list[dict[str, Any]])
 
 
 def tools_section(tools: list[dict], system: str | None) -> str:
-    """The system message with the built-in template's tool section (its default system text without one)."""
-    return ((system if system is not None else DEFAULT_SYSTEM) + TOOLS_PREAMBLE
-            + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_POSTAMBLE)
+    """The system message after the built-in template's tool section (its default system text without one)."""
+    return (TOOLS_PREAMBLE + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_POSTAMBLE
+            + (system if system is not None else DEFAULT_SYSTEM))
 
 
 def legorl_tool_messages(messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]]:

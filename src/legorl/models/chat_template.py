@@ -4,8 +4,12 @@ Rendering, per message (every tag trims whitespace; all text comes from explicit
 template renders the same under any Jinja whitespace settings):
 
 - ``system``/``user``/other roles: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
-- with ``tools``: the first turn is a system turn holding the system message (or a default) followed
-  by the tool JSON schemas inside ``<tools></tools>`` and the tool-call instructions.
+- with ``tools``: the first turn is a system turn holding the tool section (the tool JSON schemas
+  inside ``<tools></tools>`` and the tool-call instructions), then a blank line and the system message
+  (or a default). Qwen2.5 writes the system message first; legorl's own model puts the tools first
+  because they are the same for every task while a harness's system message often is not (Qwen
+  Code appends a git snapshot with the task's commit hash): what every task's prompt shares is then
+  forwarded once per micro-batch (``trainer.shared_prefix``), not once per sequence.
 - ``assistant``: ``<|im_start|>assistant\\n{content}`` then one block per tool call, each preceded by
   ``\\n`` unless it is the first block of a message without content, then ``<|im_end|>\\n``. A block
   is ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``; ARGS is the string verbatim
@@ -22,13 +26,14 @@ prefix of the text: the token bridge in the proxy relies on it.
 """
 
 TOOLS_PREAMBLE = (
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
+# Ends with the blank line before the system message.
 TOOLS_POSTAMBLE = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
     'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
-    '"arguments": <args-json-object>}\n</tool_call>'
+    '"arguments": <args-json-object>}\n</tool_call>\n\n'
 )
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -41,11 +46,11 @@ CHAT_TEMPLATE = (
     "{%- endmacro -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages and messages[0].role == 'system' -%}{{- text_of(messages[0].content) -}}"
-    "{%- else -%}{{- " + repr(DEFAULT_SYSTEM) + " -}}{%- endif -%}"
     "{{- " + repr(TOOLS_PREAMBLE) + " -}}"
     "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
     "{{- " + repr(TOOLS_POSTAMBLE) + " -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- text_of(messages[0].content) -}}"
+    "{%- else -%}{{- " + repr(DEFAULT_SYSTEM) + " -}}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
