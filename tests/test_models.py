@@ -157,6 +157,19 @@ def test_render_example(tok) -> None:
     assert no_tools == "<|im_start|>user\nFix it<|im_end|>\n"
 
 
+def test_tasks_with_different_system_messages_share_the_whole_tool_section(tok) -> None:
+    # A harness's system message may hold per-task text (Qwen Code's git snapshot, a commit hash), its
+    # tools never do: with the tools first, every task's prompt shares them (trainer.shared_prefix).
+    def ids(system: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Fix it"}]
+        return tok.encode(render(tok, msgs, TOOLS, gen=True), add_special_tokens=False)
+    a, b = ids("Be brief.\nHEAD is 3f2a9c1"), ids("Be brief.\nHEAD is 8d04e7b")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    tool_section = tok.decode(a[:shared], skip_special_tokens=False)
+    assert json.dumps(TOOLS[-1], ensure_ascii=False) + "\n</tools>" in tool_section
+    assert tool_section.startswith("<|im_start|>system\n# Tools") and "Be brief.\nHEAD is" in tool_section
+
+
 def test_render_tool_call_text_matches_template(tok) -> None:
     for args in [{"command": "grep -rn 'é' .", "n": [1, 2]}, '{"command":  "ls"}', {}]:
         msg = {
