@@ -12,20 +12,35 @@ answers (a real server does not send them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from helpers import wait_until
 from vllm_real import MAX_MODEL_LEN, RealVLLM, write_tiny_checkpoint
 
 from legorl.engine import ContextOverflowError, EngineError, token_logprobs
 from legorl.engine.remote import VLLMEngine, stop_string_end
-from legorl.engine.vllm_server import VLLMServerConfig, VLLMServerError, command, environment, refusals, start
+from legorl.engine.vllm_server import (
+    VLLMServerConfig,
+    VLLMServerError,
+    command,
+    environment,
+    group_cpu_s,
+    refusals,
+    start,
+)
 from legorl.models import load_model
 from legorl.records import GenerationResult, SamplingParams
+from legorl.sandbox.procs import alive
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,10 +93,6 @@ def test_group_cpu_s_counts_a_process_group() -> None:
     """The benchmarks' CPU count of a server's process tree: a process leading a group of its own, which spun
     0.2 CPU-s, shows at least that (the test's own group would not do: test subprocesses that exit take their
     CPU-s with them)."""
-    import subprocess
-    import sys
-
-    from legorl.engine.vllm_server import group_cpu_s
 
     spin = ("import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end:\n    pass\n"
             "print('spun', flush=True)\ntime.sleep(60)")
@@ -98,15 +109,6 @@ def test_group_cpu_s_counts_a_process_group() -> None:
 def test_the_reaper_ends_a_server_group_that_ignores_sigterm_when_its_parent_is_killed() -> None:
     """A vLLM server can hang in its graceful shutdown (a request in flight whose client died): when the
     process that started it dies by SIGKILL, the reaper SIGKILLs the server's group after its grace period."""
-    import contextlib
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from helpers import wait_until
-
     parent_src = (
         "import subprocess, sys, time\n"
         "from legorl.engine.vllm_server import start_reaper\n"
@@ -119,17 +121,13 @@ def test_the_reaper_ends_a_server_group_that_ignores_sigterm_when_its_parent_is_
     parent = subprocess.Popen([sys.executable, "-c", parent_src], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     server = int(parent.stdout.readline())
-
-    def gone() -> bool:  # no such process, or a zombie its new parent has yet to reap
-        try:
-            return Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
     try:
-        assert not gone()
+        assert alive(server)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-        assert wait_until(gone, timeout=60, interval=0.2), f"server group {server} outlived its killed parent"
+        # alive() is False for a zombie its new parent has yet to reap
+        assert wait_until(lambda: not alive(server), timeout=60, interval=0.2), \
+            f"server group {server} outlived its killed parent"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server, signal.SIGKILL)

