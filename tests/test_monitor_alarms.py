@@ -53,6 +53,34 @@ def test_tool_calls_collapsing() -> None:
     assert evaluate(series(TOOLS, [1.0, None, 1.0, None, 1.0]), cfg) == []
 
 
+GRAD = "train/grad_norm_max"
+# train/grad_norm_max of two real runs (2026-12-07): OpenCode with 5 SFT epochs, whose step 14 sampled repeated-token
+# junk in every rollout (train reward 0.44 -> 0.0), and Qwen Code's healthy run (+19.5 held-out).
+COLLAPSING = [0.0238, 0.0227, 0.0126, 0.0294, 0.0138, 0.0224, 0.0195, 0.0261, 0.0197, 0.0161, 0.0136, 0.011, 0.0239,
+              0.2269, 0.6492, 0.1126, 0.0175]
+HEALTHY = [0.0285, 0.0138, 0.0177, 0.0105, 0.0266, 0.0136, 0.033, 0.0346, 0.0214, 0.0161, 0.0262, 0.0486, 0.0148,
+           0.019, 0.0379, 0.0184, 0.032, 0.0754, 0.0849, 0.0178, 0.0258, 0.0266, 0.0528, 0.0327]
+
+
+def test_grad_norm_spike_fires_on_the_update_before_a_collapse() -> None:
+    alarms = evaluate(series(GRAD, COLLAPSING))
+    assert names(alarms) == [("grad_norm_spike", 13), ("grad_norm_spike", 14), ("grad_norm_spike", 15)]
+    assert "11.6x the median of the 8 steps before" in alarms[0].message
+    assert "trainer.max_grad_norm" in alarms[0].message
+    assert evaluate(series(GRAD, HEALTHY)) == []  # its largest step was 3.3x the median before it
+    # a stricter factor catches the healthy run's largest step; a missing value is never read as a baseline
+    assert ("grad_norm_spike", 17) in names(evaluate(series(GRAD, HEALTHY), AlarmConfig(grad_spike_factor=3.0)))
+    assert evaluate(series(GRAD, COLLAPSING[:12] + [None] + COLLAPSING[13:14]), AlarmConfig(grad_window=8)) == []
+
+
+def test_grad_norm_spike_in_the_monitor_from_logged_metrics(tmp_path: Path) -> None:
+    mon = AlarmMonitor(AlarmConfig(grad_window=3), run_dir=tmp_path)
+    fired = [mon.update(i, {GRAD: v, "train/grad_norm": v}, []) for i, v in enumerate([0.02, 0.02, 0.03, 0.2])]
+    assert [[a.name for a in f] for f in fired] == [[], [], [], ["grad_norm_spike"]]
+    recorded = [json.loads(line) for line in (tmp_path / "alarms.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["step"]) for r in recorded] == [("grad_norm_spike", 3)]
+
+
 def test_threshold_alarms_from_outcome_counts_and_groups() -> None:
     cfg = AlarmConfig(infra_failure_max=0.25, zero_variance_max=0.5)
     mon = AlarmMonitor(cfg)

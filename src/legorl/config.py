@@ -551,6 +551,10 @@ class AlarmConfig(BaseModel):
     tool_window: int = Field(3, ge=1)
     tool_drop_fraction: float = Field(0.5, gt=0.0, lt=1.0)  # recent mean below this fraction of the earlier peak
     tool_min_baseline: float = Field(0.2, ge=0.0)  # only once the agent did call tools at this rate
+    grad_metric: str = "train/grad_norm_max"
+    grad_window: int = Field(8, ge=1)  # the step's value against the median of this many steps before it
+    # Healthy demo runs stayed within 3.3x; the step before OpenCode's 5-epoch run collapsed was 11.6x (docs/monitoring.md)
+    grad_spike_factor: float = Field(5.0, gt=1.0)
     zero_variance_max: float = Field(0.5, ge=0.0, le=1.0)  # share of groups whose rewards are all equal
     infra_failure_max: float = Field(0.2, ge=0.0, le=1.0)  # share of rollouts with an infrastructure outcome
     infra_outcomes: list[str] = Field(default_factory=lambda: list(INFRA_OUTCOMES))

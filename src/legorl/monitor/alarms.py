@@ -2,6 +2,8 @@
 
 - `mismatch_kl_rising`: the sampler/trainer mismatch (k3 KL) grew over a window of steps.
 - `tool_calls_collapsing`: the agent stopped calling tools (it started writing prose).
+- `grad_norm_spike`: a step's gradient norm is many times the recent median (an outsized update: the
+  step before a policy collapses into repeated-token junk).
 - `zero_variance_groups`: too many groups without learning signal (every advantage zero: equal
   rewards for the baseline methods, all failed for reinforce).
 - `infra_failures`: too many rollouts ended in an infrastructure outcome.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -103,7 +106,7 @@ def derived(metrics: dict[str, float], cfg: AlarmConfig) -> dict[str, float | No
     share, total = infra_share(outcomes, cfg)
     out: dict[str, float | None] = {INFRA_SHARE: share, FINISHED: total}
     out.update({f"outcomes/{o}": n for o, n in outcomes.items()})
-    for k in (cfg.kl_metric, cfg.tool_metric, ZERO_VARIANCE, NOTHING_TRAINED):
+    for k in (cfg.kl_metric, cfg.tool_metric, cfg.grad_metric, ZERO_VARIANCE, NOTHING_TRAINED):
         if k in metrics:
             out[k] = metrics[k]
     return out
@@ -149,6 +152,24 @@ def _tools(series: Series, cfg: AlarmConfig) -> list[Alarm]:
     return out
 
 
+def _grad_spike(series: Series, cfg: AlarmConfig) -> list[Alarm]:
+    out = []
+    v = series.get(cfg.grad_metric)
+    w = cfg.grad_window
+    for i in range(w, len(v)):
+        before = v[i - w:i]
+        if v[i] is None or None in before:  # a full window of known values, so one missing step is no baseline
+            continue
+        median = statistics.median(before)
+        if median > 0 and v[i] > cfg.grad_spike_factor * median:
+            out.append(Alarm("grad_norm_spike", series.steps[i], v[i], cfg.grad_spike_factor * median,
+                             f"{cfg.grad_metric} is {v[i]:.3g}, {v[i] / median:.1f}x the median of the {w} steps "
+                             f"before ({median:.3g}): an outsized update, which can collapse a small policy into "
+                             "repeated-token junk; look at the step's rollouts, and cap the update with "
+                             "trainer.max_grad_norm at a few times that median"))
+    return out
+
+
 def _nothing_trained(series: Series) -> list[Alarm]:
     out = []
     for i, skipped in enumerate(series.get(NOTHING_TRAINED)):
@@ -180,7 +201,7 @@ def _threshold(series: Series, name: str, metric: str, limit: float, cfg: AlarmC
 def evaluate(series: Series, cfg: AlarmConfig | None = None) -> list[Alarm]:
     """Every alarm at every step of the series, in step order."""
     cfg = cfg or AlarmConfig()
-    alarms = _kl(series, cfg) + _tools(series, cfg) + _nothing_trained(series)
+    alarms = _kl(series, cfg) + _tools(series, cfg) + _grad_spike(series, cfg) + _nothing_trained(series)
     alarms += _threshold(series, "zero_variance_groups", ZERO_VARIANCE, cfg.zero_variance_max, cfg,
                          "of groups carry no learning signal (every advantage zero)")
     alarms += _threshold(series, "infra_failures", INFRA_SHARE, cfg.infra_failure_max, cfg,
