@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from legorl.config import load_config
-from legorl.models import load_model, load_tokenizer
+from legorl.models import ModelSpec, load_model, load_or_build, load_tokenizer
 from legorl.pipeline import run_job
 from legorl.store import Store
 
@@ -26,6 +27,7 @@ def toy_run(tmp_path_factory, cache_dir):
         "sft.enabled=true", "sft.demos=2", "sft.epochs=1.5", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
         "eval.before_training=true", "rollout.prioritize=true", "sft.check_edits=true", "sft.recovery_demos=1.0",
         "eval.after_training=true", "monitor.loggers=[tensorboard,mlflow]",
+        "trainer.max_grad_norm=1e-9", "sft.max_grad_norm=null",  # RL's cap is not SFT's
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
     return run_dir, summary
@@ -79,6 +81,17 @@ def test_rl_starts_with_sft_second_moments_and_a_fresh_first_moment(toy_run):
     assert moments, "the SFT checkpoint kept no optimizer state"
     assert all(float(m["exp_avg"].abs().sum()) == 0.0 for m in moments)
     assert sum(float(m["exp_avg_sq"].sum()) for m in moments) > 0.0
+
+
+def test_sft_clips_at_its_own_cap_not_rls(toy_run):
+    """trainer.max_grad_norm 1e-9 is RL's: had SFT clipped at it, Adam's eps would have held every update near 0."""
+    run_dir, _ = toy_run
+    cfg = load_config(run_dir / "config.json")
+    init, _ = load_or_build(None, ModelSpec.from_config(cfg.model), Path(cfg.run.cache_dir).expanduser())
+    sft, _ = load_model(run_dir / "checkpoints" / "sft")
+    before, after = init.state_dict(), sft.state_dict()
+    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert moved > 1e-4  # 3 Adam updates at lr 1e-3; clipped at 1e-9 they moved 2e-5 at most
 
 
 def test_every_checkpoint_is_a_model_directory(toy_run):

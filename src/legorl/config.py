@@ -414,7 +414,7 @@ class FaultsConfig(_Section):
 class TrainerConfig(_Section):
     lr: float = Field(1e-4, ge=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0)  # null: no clipping
+    max_grad_norm: float | None = Field(1.0, gt=0)  # RL updates (SFT: sft.max_grad_norm); null: no clipping
     # ppo: token-level ratio and clip; gspo: sequence-level (geometric-mean) ratio and clip, with
     # its own, much narrower clip range (the GSPO paper's; docs/training.md, "GSPO").
     loss: Literal["ppo", "gspo"] = "ppo"
@@ -473,6 +473,9 @@ class SFTConfig(_Section):
     demos: int = Field(32, ge=0)  # teacher episodes (train-split tasks, cycled)
     epochs: float = Field(2, gt=0)  # passes over the demonstrations; 4.5 stops half-way through the fifth
     lr: float = Field(1e-3, ge=0.0)
+    # SFT's own gradient-norm cap (null: none): trainer.max_grad_norm is RL's, which a config may set to the scale of
+    # RL's much smaller gradients (configs/demo-opencode.yaml)
+    max_grad_norm: float | None = Field(1.0, gt=0)
     # cosine: the lr falls from `lr` to 0 over the warm start. It learns less per epoch than
     # constant (on the demo, 5 cosine epochs left a policy solving ~1%; BENCHMARKS.md).
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -554,6 +554,7 @@ class Driver:
 
         losses: list[float] = []
         lr = c.lr
+        self.trainer.max_grad_norm = c.max_grad_norm  # SFT's cap; RL's is restored below, as its lr is
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
@@ -569,6 +570,7 @@ class Driver:
                 self.progress.tick()
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
+        self.trainer.max_grad_norm = self.cfg.trainer.max_grad_norm
         # RL gets a fresh first moment. Keeping the second one makes an RL update's size follow its
         # gradient's: fresh Adam moves every weight by ~lr on its first steps however little signal
         # the step had, and those sign-like steps of noise wore away what SFT taught.
