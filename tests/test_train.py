@@ -342,7 +342,7 @@ def test_grad_norm_is_the_mean_over_the_steps_updates(monkeypatch: pytest.Monkey
     tr = Trainer(model, lr=1e-2, temperature=TEMP, mini_batches=2, ppo_epochs=2)
     norms: list[float] = []
     clip = tr._clip_grads
-    monkeypatch.setattr(tr, "_clip_grads", lambda: norms.append(clip()) or norms[-1])
+    monkeypatch.setattr(tr, "_clip_grads", lambda max_norm: norms.append(clip(max_norm)) or norms[-1])
     m = tr.train_step(seqs)
     assert len(norms) == 4 and m["train/updates"] == 4.0 and len(set(norms)) == 4, norms
     assert m["train/grad_norm"] == pytest.approx(sum(norms) / 4) and m["train/grad_norm_max"] == max(norms)
@@ -410,7 +410,7 @@ def test_sft_step_lowers_loss() -> None:
     model = _tiny_model()
     seqs = _sampled_sequences(model, [0.0, 0.0])
     tr = Trainer(model, lr=3e-3)
-    losses = [tr.sft_step(seqs)["sft/loss"] for _ in range(5)]
+    losses = [tr.sft_step(seqs, max_grad_norm=tr.max_grad_norm)["sft/loss"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.5
     assert tr.step == 5
 

@@ -304,9 +304,10 @@ class Driver:
         self.first_step = last + 1
         console.print(f"resuming after step {last}: {changes}")
 
-    async def on_trainer_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the trainer's own thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, functools.partial(fn, *args))
+    async def on_trainer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the trainer's own thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -554,7 +555,6 @@ class Driver:
 
         losses: list[float] = []
         lr = c.lr
-        self.trainer.max_grad_norm = c.max_grad_norm  # SFT's cap; RL's is restored below, as its lr is
         with Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[loss]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
@@ -564,13 +564,12 @@ class Driver:
                 lr = c.lr * schedule.factor(len(losses))
                 for group in self.trainer.optimizer.param_groups:
                     group["lr"] = lr
-                m = await self.on_trainer_thread(self.trainer.sft_step, batch)
+                m = await self.on_trainer_thread(self.trainer.sft_step, batch, max_grad_norm=c.max_grad_norm)
                 losses.append(m["sft/loss"])
                 progress.update(bar, advance=1, loss=f"loss {m['sft/loss']:.3f}")
                 self.progress.tick()
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr
-        self.trainer.max_grad_norm = self.cfg.trainer.max_grad_norm
         # RL gets a fresh first moment. Keeping the second one makes an RL update's size follow its
         # gradient's: fresh Adam moves every weight by ~lr on its first steps however little signal
         # the step had, and those sign-like steps of noise wore away what SFT taught.

@@ -236,7 +236,7 @@ class Trainer:
                         loss.backward()  # inside the replay context: recomputation replays the same routes
                     st.gather_update(mb, stats, old, cur, terms)
                     loss_total += float(loss.detach())
-                grad_norm = self._clip_grads()
+                grad_norm = self._clip_grads(self.max_grad_norm)
                 if math.isfinite(grad_norm):  # a non-finite norm skips the step: the weights stay sane
                     self._set_lr(self.base_lr * self.schedule.factor(self.policy_updates))
                     self.optimizer.step()
@@ -258,10 +258,12 @@ class Trainer:
         }
         return {**metrics, **self._step_metrics(sequences, st, n_loss)}
 
-    def sft_step(self, sequences: list[TrainingSequence]) -> dict[str, float]:
+    def sft_step(self, sequences: list[TrainingSequence], *, max_grad_norm: float | None) -> dict[str, float]:
         """One supervised step: cross-entropy (temperature 1) on mask-1 tokens, token-mean.
 
-        The optimizer's lr is left as the caller set it (the pipeline's SFT schedule)."""
+        The optimizer's lr is left as the caller set it (the pipeline's SFT schedule). ``max_grad_norm`` is SFT's own
+        cap (``sft.max_grad_norm``; None: none): the trainer's ``max_grad_norm`` caps RL updates, whose gradients can
+        be ~100x smaller than a warm start's."""
         n_loss = sum(sum(s.loss_mask[1:]) for s in sequences)
         if n_loss == 0:
             return {"sft/loss": 0.0, "sft/grad_norm": 0.0, "sft/tokens": 0.0, "sft/skipped": 1.0}
@@ -274,7 +276,7 @@ class Trainer:
             loss = -torch.where(mb.mask, logp, torch.zeros_like(logp)).sum() / n_loss
             loss.backward()
             loss_total += float(loss.detach())
-        grad_norm = self._clip_grads()
+        grad_norm = self._clip_grads(max_grad_norm)
         ok = math.isfinite(grad_norm)
         if ok:
             self.optimizer.step()
@@ -294,20 +296,17 @@ class Trainer:
     def _agg(self) -> str:
         return "seq-mean-token-mean" if self.loss_agg == "rollout-mean" else self.loss_agg
 
-    @property
-    def _max_norm(self) -> float:
-        return self.max_grad_norm if self.max_grad_norm else float("inf")
-
-    def _clip_grads(self) -> float:
-        """``clip_grad_norm_``'s total norm and clipping, without multiplying every gradient by a
-        coefficient of exactly 1.0 when the norm is already within bounds (the usual case)."""
+    def _clip_grads(self, max_norm: float | None) -> float:
+        """``clip_grad_norm_``'s total norm and clipping at ``max_norm`` (None: none), without multiplying every
+        gradient by a coefficient of exactly 1.0 when the norm is already within bounds (the usual case)."""
+        limit = max_norm or float("inf")
         if dist.is_sharded(self.model):
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self._max_norm))
+            return float(torch.nn.utils.clip_grad_norm_(self.params, limit))
         grads = [p.grad for p in self.params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads)
         norm = float(total)
-        if norm + 1e-6 > self._max_norm:  # clip_grads_with_norm_'s coefficient would be below 1
-            torch.nn.utils.clip_grads_with_norm_(self.params, self._max_norm, total)
+        if norm + 1e-6 > limit:  # clip_grads_with_norm_'s coefficient would be below 1
+            torch.nn.utils.clip_grads_with_norm_(self.params, limit, total)
         return norm
 
     def reset_reference(self) -> None:
