@@ -27,7 +27,9 @@ def toy_run(tmp_path_factory, cache_dir):
         "sft.enabled=true", "sft.demos=2", "sft.epochs=1.5", "sft.batch_sequences=1", "sft.lr_schedule=cosine",
         "eval.before_training=true", "rollout.prioritize=true", "sft.check_edits=true", "sft.recovery_demos=1.0",
         "eval.after_training=true", "monitor.loggers=[tensorboard,mlflow]",
-        "trainer.max_grad_norm=1e-9", "sft.max_grad_norm=null",  # RL's cap is not SFT's
+        # RL's cap is not SFT's (test_sft_clips_at_its_own_cap_not_rls); it holds this run's RL updates near zero,
+        # which no test of this run measures
+        "trainer.max_grad_norm=1e-9", "sft.max_grad_norm=null",
     ])
     summary = asyncio.run(run_job(cfg, run_dir))
     return run_dir, summary

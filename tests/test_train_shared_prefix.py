@@ -80,7 +80,7 @@ def grads(trainer: Trainer, seqs: list[TrainingSequence], sft: bool = False) -> 
     """Every parameter's accumulated gradient over one step (the optimizer never moves)."""
     trainer.optimizer.step = lambda *a, **k: None
     trainer.optimizer.zero_grad = lambda *a, **k: None
-    metrics = trainer.sft_step(seqs, max_grad_norm=trainer.max_grad_norm) if sft else trainer.train_step(seqs)
+    metrics = trainer.sft_step(seqs, max_grad_norm=1.0) if sft else trainer.train_step(seqs)
     assert metrics.get("train/skipped", metrics.get("sft/skipped")) == 0.0
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 

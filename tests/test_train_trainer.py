@@ -187,7 +187,7 @@ def test_reset_reference_anchors_kl_to_the_warm_start() -> None:
     seqs = sampled(model, [1.0, 1.0])
     tr = Trainer(model, lr=3e-3, temperature=TEMP, kl_coef=0.1)
     for _ in range(3):
-        tr.sft_step(seqs, max_grad_norm=tr.max_grad_norm)
+        tr.sft_step(seqs, max_grad_norm=1.0)
     assert tr.train_step(seqs)["train/kl_ref"] > 1e-4  # still the untrained weights
     tr.reset_reference()
     assert all(torch.equal(a, b) for a, b in zip(tr.model.parameters(), tr.ref_model.parameters(), strict=True))
@@ -260,7 +260,7 @@ def test_schedule_survives_external_lr_changes() -> None:
     tr = Trainer(model, lr=1e-3, temperature=TEMP, warmup_steps=3)
     for g in tr.optimizer.param_groups:
         g["lr"] = 5e-2  # e.g. the pipeline's SFT phase
-    tr.sft_step(seqs, max_grad_norm=tr.max_grad_norm)
+    tr.sft_step(seqs, max_grad_norm=1.0)
     assert tr.policy_updates == 0 and tr.step == 1
     assert tr.train_step(seqs)["train/lr"] == pytest.approx(1e-3 / 4)
 
@@ -272,7 +272,7 @@ def test_checkpoint_without_reference_takes_the_warm_start_as_reference(tmp_path
     """A run extended with a KL it did not have: the reference is the warm start, not the build's weights."""
     seqs = sampled(tiny_model(), [1.0, 1.0])
     tr = Trainer(tiny_model(), lr=3e-3, temperature=TEMP)  # no KL: checkpoints carry no reference/
-    tr.sft_step(seqs, max_grad_norm=tr.max_grad_norm)
+    tr.sft_step(seqs, max_grad_norm=1.0)
     tr.save(tmp_path / "sft")
     tr.train_step(seqs)
     tr.save(tmp_path / "step")
