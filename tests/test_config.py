@@ -44,6 +44,12 @@ def test_sft_epochs_take_fractions_but_not_zero():
     assert "'sft.epochs'" in str(e.value) and "greater than 0" in str(e.value)
 
 
+def test_tools_first_is_the_builtin_tokenizers_switch():
+    assert load_config(None, ["model.tools_first=true"]).model.tools_first
+    with pytest.raises(ConfigError, match="brings its own template"):
+        load_config(None, ["model.tools_first=true", "model.path=/some/checkpoint"])
+
+
 def test_ray_without_ray_installed_says_how_to_install(monkeypatch):
     import importlib.util
 

@@ -71,7 +71,7 @@ def test_gemini_cli_plays_an_episode_through_the_gemini_api(tokenizer, tmp_path)
     assert len(calls) == 4 and {c.wire_format for c in calls} == {"gemini"}
     assert {c.session for c in calls} == {MAIN_SESSION} and result.n_calls == 4  # no side call by default
     assert tool_names(seen[0]) == {"run_shell_command", "read_file", "replace"}  # its tools.core allowlist
-    system_text = seen[0].split("</tool_call>\n\n", 1)[1].split("<|im_end|>", 1)[0]  # after the tool section
+    system_text = seen[0].split("<|im_start|>system\n", 1)[1].split("\n\n# Tools", 1)[0]  # before the tool section
     assert SYSTEM in system_text and "Gemini CLI" not in system_text  # its prompt, replaced
     check_read_edit_check_episode(tokenizer, result, session, calls, seen)
 

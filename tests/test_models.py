@@ -23,6 +23,7 @@ from legorl.models import (
     render_tool_call_text,
     save_model,
 )
+from legorl.models.chat_template import CHAT_TEMPLATE, chat_template
 from legorl.models.corpus import generate_corpus
 
 TOOLS = [
@@ -143,8 +144,8 @@ def test_render_example(tok) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
     ]
     out = render(tok, msgs, TOOLS, gen=True)
-    assert out.startswith("<|im_start|>system\n# Tools\n")  # the tools before the system message
-    assert "</tool_call>\n\nBe brief.<|im_end|>\n<|im_start|>user\nFix it" in out
+    assert out.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")  # the system message first, as Qwen2.5
+    assert "</tool_call><|im_end|>\n<|im_start|>user\nFix it" in out
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in out
     assert out.endswith(
         "<|im_start|>user\nFix it<|im_end|>\n"
@@ -157,9 +158,12 @@ def test_render_example(tok) -> None:
     assert no_tools == "<|im_start|>user\nFix it<|im_end|>\n"
 
 
-def test_tasks_with_different_system_messages_share_the_whole_tool_section(tok) -> None:
+def test_tools_first_tasks_with_different_system_messages_share_the_whole_tool_section(cache: Path) -> None:
     # A harness's system message may hold per-task text (Qwen Code's git snapshot, a commit hash), its
     # tools never do: with the tools first, every task's prompt shares them (trainer.shared_prefix).
+    tok = build_tokenizer(cache, tools_first=True)
+    assert Path(tok.name_or_path) != Path(build_tokenizer(cache).name_or_path)  # a cache directory per layout
+
     def ids(system: str) -> list[int]:
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Fix it"}]
         return tok.encode(render(tok, msgs, TOOLS, gen=True), add_special_tokens=False)
@@ -272,6 +276,12 @@ def test_load_or_build_caches(cache: Path, tok) -> None:
     assert torch.equal(m3.state_dict()["model.embed_tokens.weight"], sd1["model.embed_tokens.weight"])
     with pytest.raises(FileNotFoundError):
         load_or_build("Qwen/Qwen3-0.6B", spec, cache)
+    # model.tools_first: the same weights, the tools-first template, a model directory of its own that keeps it
+    m5, t5 = load_or_build(None, spec.model_copy(update={"tools_first": True}), cache)
+    assert torch.equal(m5.state_dict()["model.embed_tokens.weight"], sd1["model.embed_tokens.weight"])
+    assert t5.chat_template == chat_template(tools_first=True) != t1.chat_template == CHAT_TEMPLATE
+    _, t6 = load_or_build(None, spec.model_copy(update={"tools_first": True}), cache)  # from its cache
+    assert t6.chat_template == t5.chat_template and len(list(cache.glob("model-*"))) == 2
 
 
 def test_moe_model_builds(tok) -> None:

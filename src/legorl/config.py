@@ -47,6 +47,9 @@ class ModelConfig(_Section):
     tool_format: ToolFormat = "auto"  # the tool-call syntax the proxy parses; auto: the checkpoint's (its chat template)
     # the reasoning markers (models/chat_format.py REASONING_STYLES); auto: the ones the checkpoint's template names
     reasoning: Literal["auto", "none", "think", "mistral"] = "auto"
+    # the built-in tokenizer's chat template writes the tool section before the system message (Qwen2.5's
+    # order, the default, is the system first): for a harness whose system message varies per task
+    tools_first: bool = False
     vocab_size: int = 4096
     hidden_size: int = 128
     num_layers: int = 4
@@ -55,6 +58,13 @@ class ModelConfig(_Section):
     intermediate_size: int = 384
     max_position_embeddings: int = 4096
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _builtin_only(self) -> ModelConfig:
+        if self.tools_first and (self.path or self.name):
+            raise ValueError("model.tools_first lays out the built-in tokenizer's chat template; a checkpoint "
+                             f"(model.{'path' if self.path else 'name'}) brings its own template: remove it")
+        return self
 
 
 class SamplingConfig(_Section):

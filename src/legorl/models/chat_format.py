@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from legorl.models.chat_template import DEFAULT_SYSTEM, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from legorl.models.chat_template import DEFAULT_SYSTEM, SECTION_BREAK, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +229,9 @@ def legorl_assistant_text(content: str | None, tool_calls: list[dict[str, Any]])
 
 
 def tools_section(tools: list[dict], system: str | None) -> str:
-    """The system message after the built-in template's tool section (its default system text without one)."""
-    return (TOOLS_PREAMBLE + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_POSTAMBLE
-            + (system if system is not None else DEFAULT_SYSTEM))
+    """The system message (its default text without one), then the built-in template's tool section."""
+    return ((system if system is not None else DEFAULT_SYSTEM) + SECTION_BREAK + TOOLS_PREAMBLE
+            + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_POSTAMBLE)
 
 
 def legorl_tool_messages(messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]]:

@@ -4,12 +4,14 @@ Rendering, per message (every tag trims whitespace; all text comes from explicit
 template renders the same under any Jinja whitespace settings):
 
 - ``system``/``user``/other roles: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
-- with ``tools``: the first turn is a system turn holding the tool section (the tool JSON schemas
-  inside ``<tools></tools>`` and the tool-call instructions), then a blank line and the system message
-  (or a default). Qwen2.5 writes the system message first; legorl's own model puts the tools first
-  because they are the same for every task while a harness's system message often is not (Qwen
-  Code appends a git snapshot with the task's commit hash): what every task's prompt shares is then
-  forwarded once per micro-batch (``trainer.shared_prefix``), not once per sequence.
+- with ``tools``: the first turn is a system turn holding the system message (or a default), a blank
+  line, and the tool section (the tool JSON schemas inside ``<tools></tools>`` and the tool-call
+  instructions), in Qwen2.5's order. ``chat_template(tools_first=True)`` (``model.tools_first``) writes
+  the tool section first instead: the tools are the same for every task while a harness's system message
+  may not be (Qwen Code appends a git snapshot with the task's commit hash), and what every task's prompt
+  shares is forwarded once per micro-batch (``trainer.shared_prefix``), not once per sequence. Over 3
+  ``make demo`` seeds each, mini-swe-agent (a fixed system message) gained +13.2 with the system first and
+  +9.4 with the tools first (docs/experiments.md), so the system comes first by default.
 - ``assistant``: ``<|im_start|>assistant\\n{content}`` then one block per tool call, each preceded by
   ``\\n`` unless it is the first block of a message without content, then ``<|im_end|>\\n``. A block
   is ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``; ARGS is the string verbatim
@@ -25,19 +27,31 @@ Nothing rendered for a message depends on later messages, so a prefix of the mes
 prefix of the text: the token bridge in the proxy relies on it.
 """
 
+# The tool section; a blank line separates it from the system message on either side.
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
-# Ends with the blank line before the system message.
 TOOLS_POSTAMBLE = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
     'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
-    '"arguments": <args-json-object>}\n</tool_call>\n\n'
+    '"arguments": <args-json-object>}\n</tool_call>'
 )
+SECTION_BREAK = "\n\n"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
-CHAT_TEMPLATE = (
+_SYSTEM_TEXT = (
+    "{%- if messages and messages[0].role == 'system' -%}{{- text_of(messages[0].content) -}}"
+    "{%- else -%}{{- " + repr(DEFAULT_SYSTEM) + " -}}{%- endif -%}"
+)
+_TOOL_SECTION = (
+    "{{- " + repr(TOOLS_PREAMBLE) + " -}}"
+    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- " + repr(TOOLS_POSTAMBLE) + " -}}"
+)
+
+
+_TEMPLATE_HEAD = (
     "{%- macro text_of(content) -%}"
     "{%- if content is none -%}"
     "{%- elif content is string -%}{{- content -}}"
@@ -46,11 +60,8 @@ CHAT_TEMPLATE = (
     "{%- endmacro -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
-    "{{- " + repr(TOOLS_PREAMBLE) + " -}}"
-    "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
-    "{{- " + repr(TOOLS_POSTAMBLE) + " -}}"
-    "{%- if messages and messages[0].role == 'system' -%}{{- text_of(messages[0].content) -}}"
-    "{%- else -%}{{- " + repr(DEFAULT_SYSTEM) + " -}}{%- endif -%}"
+)
+_TEMPLATE_TAIL = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
@@ -75,3 +86,12 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+
+
+def chat_template(tools_first: bool = False) -> str:
+    """The built-in template; `tools_first` puts the tool section before the system message (module docstring)."""
+    first, second = (_TOOL_SECTION, _SYSTEM_TEXT) if tools_first else (_SYSTEM_TEXT, _TOOL_SECTION)
+    return _TEMPLATE_HEAD + first + "{{- " + repr(SECTION_BREAK) + " -}}" + second + _TEMPLATE_TAIL
+
+
+CHAT_TEMPLATE = chat_template()  # the default layout: the system message first

@@ -47,8 +47,9 @@ class ModelSpec(ModelConfig):
     moe_intermediate_size: int = 128
 
     def key(self) -> str:
-        """Stable hash of the recipe (``path``, ``name``: where a model is loaded from, not how one is built)."""
-        blob = json.dumps(self.model_dump(exclude={"path", "name"}), sort_keys=True).encode()
+        """Stable hash of the recipe (``path``, ``name``: where a model is loaded from, not how one is built;
+        ``tools_first`` is the tokenizer's, whose hash names the cache directory too)."""
+        blob = json.dumps(self.model_dump(exclude={"path", "name", "tools_first"}), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
@@ -134,7 +135,7 @@ def load_or_build(
             )
         return load_model(model_path)
     cache_dir = Path(cache_dir)
-    tokenizer = build_tokenizer(cache_dir, spec.vocab_size)
+    tokenizer = build_tokenizer(cache_dir, spec.vocab_size, spec.tools_first)
     # Keyed by spec and tokenizer (its cache dir name is the tokenizer hash).
     path = cache_dir / f"model-{spec.key()}-{Path(tokenizer.name_or_path).name}"
     if (path / "config.json").exists():

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from legorl.models.chat_template import CHAT_TEMPLATE
+from legorl.models.chat_template import CHAT_TEMPLATE, chat_template
 from legorl.models.corpus import CORPUS_VERSION, generate_corpus
 
 PAD = "<|endoftext|>"
@@ -46,7 +46,7 @@ def render_tool_call_text(name: str, arguments: str | dict[str, Any]) -> str:
     )
 
 
-def _settings(vocab_size: int) -> dict[str, Any]:
+def _settings(vocab_size: int, template: str) -> dict[str, Any]:
     return {
         "vocab_size": vocab_size,
         "special": SPECIAL_TOKENS,
@@ -55,7 +55,7 @@ def _settings(vocab_size: int) -> dict[str, Any]:
         "docs": _CORPUS_DOCS,
         "seed": _CORPUS_SEED,
         "trainer_version": _TRAINER_VERSION,
-        "template": CHAT_TEMPLATE,
+        "template": template,  # the saved copy holds it: one cache directory per layout
     }
 
 
@@ -75,7 +75,7 @@ def _train(corpus: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+def _wrap(tok: Tokenizer, template: str) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -86,20 +86,23 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,  # would break byte-exact round trips
         model_max_length=1 << 20,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     return fast
 
 
-def build_tokenizer(cache_dir: Path | str, vocab_size: int = 4096) -> PreTrainedTokenizerFast:
-    """Load the built-in tokenizer from ``cache_dir``, training (and caching) it on first use."""
+def build_tokenizer(cache_dir: Path | str, vocab_size: int = 4096, tools_first: bool = False,
+                    ) -> PreTrainedTokenizerFast:
+    """Load the built-in tokenizer from ``cache_dir``, training (and caching) it on first use. `tools_first`:
+    its chat template writes the tool section before the system message (``model.tools_first``)."""
+    template = chat_template(tools_first)
     corpus = generate_corpus(_CORPUS_DOCS, seed=_CORPUS_SEED)
-    h = hashlib.sha256(json.dumps(_settings(vocab_size), sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(_settings(vocab_size, template), sort_keys=True).encode())
     for doc in corpus:
         h.update(doc.encode())
     path = Path(cache_dir) / f"tokenizer-{h.hexdigest()[:16]}"
     if (path / "tokenizer.json").exists():
         return load_tokenizer(path)
-    fast = _wrap(_train(corpus, vocab_size))
+    fast = _wrap(_train(corpus, vocab_size), template)
     # Write to a temp dir and rename so a concurrent builder never sees a half-written cache.
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     fast.save_pretrained(tmp)
@@ -117,8 +120,8 @@ def is_builtin(tokenizer: Any) -> bool:
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
-    """A tokenizer from a local directory. The built-in tokenizer gets its template when the directory has
-    none (copies saved before templates were saved); any other keeps what its directory holds, so a
+    """A tokenizer from a local directory. The built-in tokenizer gets its default template when the directory
+    has none (copies saved before templates were saved, which wrote the system message first); any other keeps what its directory holds, so a
     checkpoint without a template is an error where a chat format is needed (models/chat_format.py),
     never silently ChatML."""
     tok = AutoTokenizer.from_pretrained(str(path))
