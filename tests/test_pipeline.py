@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from legorl.config import load_config
 from legorl.models import ModelSpec, load_model, load_or_build, load_tokenizer
+from legorl.models.chat_template import chat_template
 from legorl.pipeline import run_job
 from legorl.store import Store
 
@@ -129,8 +130,16 @@ def test_a_finished_run_continues_to_more_steps(toy_run, tmp_path):
     run_dir, summary = toy_run
     copy = tmp_path / "continued"
     shutil.copytree(run_dir, copy)
+    # as a run started before model.tools_first, when the built-in template wrote the tools first: its config
+    # says nothing of the layout, its saved tokenizer keeps the one it trained with
+    started = load_tokenizer(copy / "tokenizer")
+    started.chat_template = chat_template(tools_first=True)
+    started.save_pretrained(copy / "tokenizer")
     cfg = load_config(copy / "config.json", ["run.steps=3", "eval.every=1"])
+    assert not cfg.model.tools_first
     continued = asyncio.run(run_job(cfg, copy, resume=True))
+    for kept in (copy / "tokenizer", copy / "checkpoints" / "latest", copy / "checkpoints" / "step-00002"):
+        assert load_tokenizer(kept).chat_template == chat_template(tools_first=True), kept  # one layout a run
 
     assert continued["steps"] == 3
     assert continued["sft"] == summary["sft"] and continued["before_rl"] == summary["before_rl"]

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from legorl.config import Config, ConfigError
 from legorl.engine import LocalEngine, ScriptedEngine
 from legorl.engine.base import Engine
-from legorl.models import ModelSpec, load_or_build, save_model
+from legorl.models import ModelSpec, load_or_build, load_tokenizer, save_model
 from legorl.models.chat_format import chat_format
 from legorl.monitor.alarms import AlarmMonitor
 from legorl.monitor.behaviour import output_shares
@@ -106,6 +106,20 @@ class Batch:
     rollouts: list[Rollout]
     metrics: dict[str, float]  # groups/..., engine/... over the batch's sampling
     seconds: float  # wall time from its first rollout's start to its last group's end
+
+
+def keep_started_template(tokenizer: Any, saved: Path) -> str | None:
+    """A resumed run keeps the chat template it started with, saved in `saved` (a run of the built-in
+    model from before `model.tools_first` wrote the tools first): set on `tokenizer` when the config's
+    differs, and the line saying so returned; None when they agree or nothing was saved."""
+    if not (saved / "tokenizer_config.json").exists():
+        return None
+    started = load_tokenizer(saved).chat_template
+    if started is None or started == tokenizer.chat_template:
+        return None
+    tokenizer.chat_template = started
+    return (f"resuming with the chat template the run started with ({saved}), not the one its config builds "
+            "(model.tools_first): one run trains one token layout")
 
 
 def oldest_version(r: Rollout) -> int | None:
@@ -207,6 +221,8 @@ class Driver:
         policy, self.tokenizer = await asyncio.to_thread(load_or_build, cfg.model.path,
                                                          ModelSpec.from_config(cfg.model),
                                                          self.cache_dir)
+        if self.resume and (note := keep_started_template(self.tokenizer, self.run_dir / "tokenizer")):
+            console.print(f"[yellow]{note}")
         self.tokenizer.save_pretrained(self.run_dir / "tokenizer")  # `legorl report` decodes with it
         self.vllm_server = None  # engine.serve: the vLLM server this run started
         self.engine = await self._make_engine(policy)  # the policy (chaos mode wraps it per rollout: run_episode)
