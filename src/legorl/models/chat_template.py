@@ -49,8 +49,6 @@ _TOOL_SECTION = (
     "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
     "{{- " + repr(TOOLS_POSTAMBLE) + " -}}"
 )
-
-
 _TEMPLATE_HEAD = (
     "{%- macro text_of(content) -%}"
     "{%- if content is none -%}"

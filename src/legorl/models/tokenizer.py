@@ -121,9 +121,9 @@ def is_builtin(tokenizer: Any) -> bool:
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
     """A tokenizer from a local directory. The built-in tokenizer gets its default template when the directory
-    has none (copies saved before templates were saved, which wrote the system message first); any other keeps what its directory holds, so a
-    checkpoint without a template is an error where a chat format is needed (models/chat_format.py),
-    never silently ChatML."""
+    has none (copies saved before templates were saved, which wrote the system message first); any other
+    keeps what its directory holds, so a checkpoint without a template is an error where a chat format is
+    needed (models/chat_format.py), never silently ChatML."""
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.chat_template is None and is_builtin(tok):
         tok.chat_template = CHAT_TEMPLATE
