@@ -69,3 +69,23 @@ def test_standalone_proxy_records_any_harness(tmp_path, tokenizer):
     fid = json.loads(out.stdout)["fidelity"]
     assert fid["checked"] == 2 and fid["violations"] == 0
     assert (fid["segments"], fid["bridge_hits"], fid["drift_prevented"]) == (2, 0, 0)
+
+
+def test_tools_first_lays_out_the_builtin_template_and_refuses_a_model_dir(tmp_path, cache_dir, tokenizer):
+    from typer.testing import CliRunner
+
+    from legorl.cli import app
+    from legorl.models.chat_template import chat_template
+    from legorl.proxy.cli import _engine_and_tokenizer
+
+    _, tok = _engine_and_tokenizer("scripted", None, None, cache_dir, tools_first=True)
+    assert tok.chat_template == chat_template(tools_first=True) != tokenizer.chat_template
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    text = tok.apply_chat_template([{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}],
+                                   tools=tools, tokenize=False)
+    assert text.index('"bash"') < text.index("SYS")  # the tool section, then the system message
+    tokenizer.save_pretrained(tmp_path / "tok")
+    out = CliRunner().invoke(app, ["proxy", "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path / "tok"),
+                                   "--tools-first"])
+    assert out.exit_code == 2 and "--tools-first" in out.output and "brings its own" in out.output
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -22,7 +22,7 @@ import typer
 
 
 def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, cache_dir: Path,
-                          max_context: int | None = None) -> tuple[Any, Any]:
+                          max_context: int | None = None, tools_first: bool = False) -> tuple[Any, Any]:
     from legorl.config import ModelConfig
     from legorl.engine import LocalEngine, ScriptedEngine
     from legorl.models import ModelSpec, build_tokenizer, load_or_build, load_tokenizer
@@ -31,11 +31,13 @@ def _engine_and_tokenizer(engine: str, model: Path | None, script: Path | None, 
     if engine == "local":
         # The built-in model gets the context `legorl train` gives it (model.max_position_embeddings)
         # unless --max-context says otherwise; a model directory keeps its own, capped by --max-context.
-        spec = ModelSpec(max_position_embeddings=max_context or ModelConfig().max_position_embeddings)
+        spec = ModelSpec(max_position_embeddings=max_context or ModelConfig().max_position_embeddings,
+                         tools_first=tools_first)
         m, tok = load_or_build(model, spec, cache_dir)
         fmt = chat_format(tok)  # the checkpoint's end-of-turn, stops, tools: a ChatFormatError names what is missing
         return LocalEngine(m, tok, max_context=max_context, chat_format=fmt), tok
-    tok = load_tokenizer(model) if model is not None else build_tokenizer(cache_dir, ModelSpec().vocab_size)
+    tok = (load_tokenizer(model) if model is not None
+           else build_tokenizer(cache_dir, ModelSpec().vocab_size, tools_first))
     replies = json.loads(script.read_text()) if script is not None else ["OK"]
     if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
         raise typer.BadParameter(f"{script} must hold a JSON array of reply strings", param_hint="--script")
@@ -68,12 +70,18 @@ def proxy_command(
     max_context: Annotated[int | None, typer.Option(help="context length in tokens (prompt + completion); default: "
                                                           "the model's own (the built-in one: as in legorl train)")]
     = None,
+    tools_first: Annotated[bool, typer.Option("--tools-first", help="the built-in tokenizer's template writes the "
+                                                                    "tool section before the system message "
+                                                                    "(model.tools_first in legorl train)")] = False,
 ) -> None:
     """Serve the LLM proxy standalone: any harness, any session id, every call recorded token-exactly."""
     if engine not in ("local", "scripted"):
         raise typer.BadParameter("choose local or scripted", param_hint="--engine")
     if model is not None and not model.is_dir():
         raise typer.BadParameter(f"{model} is not a local model directory", param_hint="--model")
+    if tools_first and model is not None:
+        raise typer.BadParameter("lays out the built-in tokenizer's template; a --model directory brings its own "
+                                 "chat template: drop one of the two", param_hint="--tools-first")
     from legorl.models.toolformats import parser_names
 
     if parser not in parser_names():
@@ -93,7 +101,7 @@ def proxy_command(
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(run_dir, engine, model, port, host, unix_socket, served_model_name, script,
                                temperature, top_p, max_tokens, parser, cache_dir.expanduser(), max_context,
-                               reasoning))
+                               reasoning, tools_first))
     except ChatFormatError as e:  # the checkpoint's template: what is missing and the fix, no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -102,13 +110,13 @@ def proxy_command(
 async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int, host: str,
                  unix_socket: Path | None, served: str, script: Path | None, temperature: float, top_p: float,
                  max_tokens: int, parser: str, cache_dir: Path, max_context: int | None = None,
-                 reasoning: str = "auto") -> None:
+                 reasoning: str = "auto", tools_first: bool = False) -> None:
     import asyncio
 
     from legorl.proxy.server import Proxy, SamplingOverride
     from legorl.store import Store
 
-    engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir, max_context)
+    engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir, max_context, tools_first)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "tokenizer").exists():
         tok.save_pretrained(run_dir / "tokenizer")  # lets `legorl report` check decode(ids) == text
