@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,12 @@ import torch
 import transformers
 
 T = TypeVar("T")
+
+# Prefix of an argv that runs the rest with SIGINT ignored, as bash starts a script's background job: exec
+# keeps an ignored signal ignored (no preexec_fn, which is unsafe beside threads).
+_IGNORE_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                           "os.execv(sys.argv[1], sys.argv[1:])")
+SIGINT_IGNORED = [sys.executable, "-c", _IGNORE_SIGINT_AND_EXEC]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01) -> T:

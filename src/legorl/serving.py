@@ -1,9 +1,11 @@
-"""uvicorn inside the caller's event loop (proxy, engine server): no signal capture, bounded shutdown."""
+"""uvicorn inside the caller's event loop (proxy, engine server): no signal capture, bounded shutdown; and
+the wait of a standalone server's command until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 from typing import Any
 
@@ -34,3 +36,17 @@ class LoopServer:
             if self._task is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._task, timeout=5)
+
+
+async def until_stopped() -> None:
+    """Return on SIGINT or SIGTERM. Its own handlers: a server started with SIGINT ignored (a background job
+    of a script, as bash starts them) still stops on Ctrl-C, and `kill` stops it cleanly too."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -126,7 +126,10 @@ def vllm_serve_command(
     except VLLMServerError as e:
         console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2) from None
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops vLLM too, as Ctrl-C does
+    # `kill` stops vLLM too, as Ctrl-C does, and Ctrl-C does even where SIGINT came in ignored (a script's
+    # background job)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         console.print(f"vLLM starting (log: {server.log_path}) ...")
         waited = server.wait_ready(ready_timeout)

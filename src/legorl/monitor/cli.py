@@ -26,6 +26,7 @@ def dashboard_command(
 
     from legorl.monitor.db import StoreMissing
     from legorl.monitor.server import DashboardConfigError, serve_dashboard
+    from legorl.serving import until_stopped
 
     console = Console(stderr=True)
 
@@ -35,7 +36,7 @@ def dashboard_command(
         also = " (the runs side by side: its Compare page, /compare)" if len(run_dirs) > 1 else ""
         console.print(f"dashboard of {shown}: [bold]{url}[/]{also} (Ctrl-C stops)")
         try:
-            await asyncio.Event().wait()
+            await until_stopped()
         finally:
             await stop()
 

@@ -114,6 +114,7 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
     import asyncio
 
     from legorl.proxy.server import Proxy, SamplingOverride
+    from legorl.serving import until_stopped
     from legorl.store import Store
 
     engine, tok = _engine_and_tokenizer(engine_name, model, script, cache_dir, max_context, tools_first)
@@ -130,7 +131,7 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
                f"  Anthropic base URL: {proxy.anthropic_base_url('<session>')}\n"
                f"  recording to {run_dir / 'store.sqlite'}; Ctrl-C to stop", err=True)
     try:
-        await asyncio.Event().wait()
+        await until_stopped()
     except (asyncio.CancelledError, KeyboardInterrupt):
         pass
     finally:
