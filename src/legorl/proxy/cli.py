@@ -111,8 +111,6 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
                  unix_socket: Path | None, served: str, script: Path | None, temperature: float, top_p: float,
                  max_tokens: int, parser: str, cache_dir: Path, max_context: int | None = None,
                  reasoning: str = "auto", tools_first: bool = False) -> None:
-    import asyncio
-
     from legorl.proxy.server import Proxy, SamplingOverride
     from legorl.serving import until_stopped
     from legorl.store import Store
@@ -131,9 +129,7 @@ async def _serve(run_dir: Path, engine_name: str, model: Path | None, port: int,
                f"  Anthropic base URL: {proxy.anthropic_base_url('<session>')}\n"
                f"  recording to {run_dir / 'store.sqlite'}; Ctrl-C to stop", err=True)
     try:
-        await until_stopped()
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        pass
+        await until_stopped()  # its own SIGINT/SIGTERM handlers: no KeyboardInterrupt or cancellation to catch
     finally:
         await proxy.stop()
         typer.echo(json.dumps(proxy.stats(), indent=2), err=True)
