@@ -116,7 +116,7 @@ test-all: setup-test setup-sandbox-image
 # The layering contracts (pyproject's importlinter) and ruff; part of `make test`
 lint: setup-test
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

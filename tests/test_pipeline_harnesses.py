@@ -4,6 +4,8 @@ own shell tool -> SFT -> eval -> RL step -> eval, every stage recorded and every
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,31 @@ def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir, names, o
             assert {"turns_per_rollout", "text_only_turn_rate", "tool_calls_per_turn"} <= set(row[f"behaviour_{when}"])
     before = [summary["per_harness"][n]["pass_at_1_before_rl"] for n in names]
     assert summary["heldout_pass_at_1_before_rl"] == pytest.approx(sum(before) / 3)
+
+
+def test_toy_pipeline_through_a_users_own_agent(tmp_path, cache_dir):
+    """`harness.name: command`: examples/bash_agent.py (the official openai SDK, streamed), which knows nothing of
+    legorl, learns like the adapted CLIs: the teacher plays through its `bash` tool, then SFT, eval, an RL step."""
+    agent = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
+    cfg = load_config(None, [
+        f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
+        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.name=command",
+        f"harness.command={sys.executable} {agent}", f"harness.visible_paths=[{agent.parent}]",
+        "harness.env={AGENT_STREAM: '1'}", "harness.step_limit=4",
+        "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
+        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "sft.batch_sequences=1", "eval.before_training=true",
+        "eval.after_training=true", "monitor.dashboard=false",
+    ])
+    summary = asyncio.run(run_job(cfg, tmp_path))
+    assert summary["sft"]["sft/demos_resolved"] == 2, summary  # the teacher solved both through the agent's tool
+    assert summary["steps"] == 1 and summary["heldout_pass_at_1_after_rl"] is not None
+    store = Store(tmp_path / "store.sqlite")
+    for demo in store.rollouts(split="demo"):
+        calls = store.calls_for(demo.id)
+        assert {c.wire_format for c in calls} == {"openai_chat"} and all(c.request.get("stream") for c in calls)
+        assert [t.name for c in calls for t in c.tool_calls] == ["bash", "bash"]
+        assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]
+    assert all(r.outcome is not None and r.harness == "command" for r in store.rollouts(split="train"))
+    tok = load_tokenizer(tmp_path / "tokenizer")
+    report = store.report(decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    assert report["fidelity"]["violations"] == 0 and report["llm_calls"] > 0

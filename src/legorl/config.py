@@ -218,7 +218,8 @@ class SandboxConfig(_Section):
         return v
 
 
-HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code"]
+HarnessName = Literal["mini-swe-agent", "claude-code", "codex", "opencode", "openhands", "gemini-cli", "qwen-code",
+                      "command"]
 
 # What each harness can honour beyond the keys every harness reads (docs/configuration.md).
 _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
@@ -236,6 +237,12 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "settings": {"gemini-cli", "qwen-code"},
     "prefork": {"openhands"},
     "tool_params": {"openhands"},
+    "command": {"command"},
+    "shell_tool": {"command"},
+    "shell_arg": {"command"},
+    "side_calls": {"command"},
+    "env": {"command"},
+    "visible_paths": {"command"},
 }
 
 
@@ -273,6 +280,16 @@ class HarnessConfig(_Section):
     prefork: bool = True
     # openhands: the SDK's per-tool parameters, e.g. {terminal: {no_change_timeout_seconds: 10}}
     tool_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # command (any agent's command line, run in /workspace inside the sandbox; docs/harnesses/command.md): the
+    # command line, its shell tool and that tool's command argument (the scripted teacher plays through them),
+    # which requests are side calls (without_tools: a request declaring no tools; none: no request), more
+    # environment variables, and host paths the sandbox shows read-only (the agent's own files)
+    command: str | None = None
+    shell_tool: str = "bash"
+    shell_arg: str = "command"
+    side_calls: Literal["without_tools", "none"] = "without_tools"
+    env: dict[str, str] = Field(default_factory=dict)
+    visible_paths: list[str] = Field(default_factory=list)
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.
     overrides: dict[HarnessName, dict[str, Any]] = Field(default_factory=dict)
 
@@ -316,6 +333,9 @@ class HarnessConfig(_Section):
                     raise ValueError(f"harness.overrides.{name}: {e.errors()[0]['msg']}") from None
         elif self.overrides:
             raise ValueError("harness.overrides is for a list of harnesses; with one, set its keys directly")
+        if "command" in names and not (self.overrides.get("command", {}).get("command") or self.command):
+            raise ValueError("harness.name command needs harness.command: the agent's command line, run in /workspace "
+                             "inside the sandbox with the task in $LEGORL_PROMPT_FILE (docs/harnesses/command.md)")
         return self  # tool names are checked by the harness that knows them (harness/codex.py)
 
 

@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+@dataclass(frozen=True)
+class ToolStyle:
+    """How a harness takes a shell command, and how its episode ends."""
+
+    tool: str  # the shell tool the harness declares
+    arg: str  # its command argument
+    submit: str | None  # the command that submits; None: a reply without a tool call ends the episode
+    # False where the shell tool refuses command substitution (Gemini CLI blocks `$(...)`): a file the
+    # command finds is piped to it through xargs instead.
+    substitution: bool = True
+    # True: the command goes in a fenced bash block of the text (mini-swe-agent's text mode), not a tool call
+    text: bool = False
+
+
 @dataclass
 class HarnessRun:
     rollout_id: str
@@ -35,8 +49,8 @@ class HarnessCrashed(Exception):
 class Harness(Protocol):
     name: str
     # The scripted teacher's turns for this harness: a key of rollout/teacher.py's TOOL_STYLES (its name,
-    # or a variant such as mini-swe-agent's text mode).
-    teacher_style: str
+    # or a variant such as mini-swe-agent's text mode), or its own ToolStyle (harness.name command).
+    teacher_style: str | ToolStyle
 
     async def start(self) -> None: ...
 

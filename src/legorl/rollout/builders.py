@@ -43,6 +43,7 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
     """A harness (the configured one, or `h`): mini-swe-agent (Python API in a worker), or a CLI in the sandbox."""
     from legorl.harness.claude_code import ClaudeCodeHarness
     from legorl.harness.codex import CodexHarness
+    from legorl.harness.command import CommandHarness
     from legorl.harness.gemini_cli import GeminiCliHarness
     from legorl.harness.mini_swe_agent import MiniSweAgentHarness
     from legorl.harness.opencode import OpenCodeHarness
@@ -68,6 +69,11 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
             return GeminiCliHarness(max_calls=h.step_limit, settings=dict(h.settings), **kw)
         if h.name == "qwen-code":
             return QwenCodeHarness(max_calls=h.step_limit, settings=dict(h.settings), **kw)
+        if h.name == "command":
+            return CommandHarness(command=h.command or "", shell_tool=h.shell_tool, shell_arg=h.shell_arg,
+                                  side_calls=h.side_calls, env=dict(h.env), visible_paths=tuple(h.visible_paths),
+                                  max_calls=h.step_limit,
+                                  timeout=cfg.rollout.agent_timeout, **kw)
     except ValueError as e:  # a switch the harness cannot honour (an unknown tool, a value TOML cannot hold)
         raise ConfigError(str(e)) from None
     return MiniSweAgentHarness(h, command_timeout=cfg.sandbox.command_timeout, log_dir=log_dir)

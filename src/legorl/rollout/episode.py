@@ -24,7 +24,7 @@ from legorl.config import FaultsConfig, SandboxConfig
 from legorl.engine.base import Engine
 from legorl.engine.scripted import Script, ScriptedEngine
 from legorl.grading import empty_patch_report, grade, workspace_diff
-from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun
+from legorl.harness.base import Harness, HarnessCrashed, HarnessResult, HarnessRun, ToolStyle
 from legorl.proxy.server import Proxy
 from legorl.records import GraderReport, Outcome, Rollout
 from legorl.rollout.faults import FaultPlan, FaultyEngine, InjectedFault, kill_later, plan_for
@@ -51,7 +51,7 @@ def always(engine: Engine) -> EngineFor:
     return lambda task, harness, rollout_id: engine
 
 
-def scripted(engine: ScriptedEngine, script_for: Callable[[Task, str], Script]) -> EngineFor:
+def scripted(engine: ScriptedEngine, script_for: Callable[[Task, str | ToolStyle], Script]) -> EngineFor:
     """The scripted teacher: each rollout plays the script `script_for` writes for its task and its harness's
     teacher_style, given to the engine as the rollout's session opens."""
     def choose(task: Task, harness: Harness, rollout_id: str) -> Engine:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.harness.base import ToolStyle
 from legorl.models.tokenizer import render_tool_call_text
 from legorl.tasks.repo import GIT_OPTS, git_env
 from legorl.tasks.schema import Task
@@ -32,20 +33,6 @@ from legorl.tasks.schema import Task
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 CHECK = " && git diff --stat"  # what an edit changed: one line per file, nothing when it missed
 DONE = "Done. The bug is fixed."  # a CLI harness's last turn: text and no tool call ends its run
-
-
-@dataclass(frozen=True)
-class ToolStyle:
-    """How a harness takes a shell command, and how its episode ends."""
-
-    tool: str  # the shell tool the harness declares
-    arg: str  # its command argument
-    submit: str | None  # the command that submits; None: a reply without a tool call ends the episode
-    # False where the shell tool refuses command substitution (Gemini CLI blocks `$(...)`): a file the
-    # command finds is piped to it through xargs instead.
-    substitution: bool = True
-    # True: the command goes in a fenced bash block of the text (mini-swe-agent's text mode), not a tool call
-    text: bool = False
 
 
 TOOL_STYLES = {
@@ -349,7 +336,7 @@ def snapshot_script(task: Task, solve: bool, check_edits: bool, slip: bool, styl
 
 
 def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, check_edits: bool = False,
-                   slip: bool = False, harness: str = "mini-swe-agent") -> list[str]:
+                   slip: bool = False, harness: str | ToolStyle = "mini-swe-agent") -> list[str]:
     """Assistant turns for one episode: read the function's file, fix the line, submit.
 
     The file is found inside each command, so the agent never copies a path out of earlier output:
@@ -362,9 +349,10 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     check_edits ends each edit with `&& git diff --stat`, so the episode shows whether it changed
     anything. slip (with check_edits) first makes an edit that changes nothing, as a `Slip` turn,
     then sees the empty check and makes the right edit: a recovery the policy can learn to repeat.
-    harness: whose shell tool the turns call and how the episode ends (`TOOL_STYLES`).
+    harness: whose shell tool the turns call and how the episode ends (a key of `TOOL_STYLES`, or the style
+    itself: `harness.name: command` names its agent's shell tool).
     """
-    style = TOOL_STYLES[harness]
+    style = harness if isinstance(harness, ToolStyle) else TOOL_STYLES[harness]
     if not task.files:  # a repository snapshot: everything comes from the gold patch
         return snapshot_script(task, solve, check_edits, slip, style)
     edit = gold_line_edit(task.patch)
@@ -387,9 +375,9 @@ def teacher_script(task: Task, solve: bool = True, run_tests: bool = False, chec
     return turns
 
 
-def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task, str], list[str]]:
+def scripted_teacher(check_edits: bool = False, recovery: float = 0.0) -> Callable[[Task, str | ToolStyle], list[str]]:
     """The script the scripted engine plays per (task, harness); a `recovery` share of tasks (by id) slip first."""
-    def script(task: Task, harness: str = "mini-swe-agent") -> list[str]:
+    def script(task: Task, harness: str | ToolStyle = "mini-swe-agent") -> list[str]:
         slip = recovery > 0 and random.Random(f"slip:{task.instance_id}").random() < recovery
         return teacher_script(task, check_edits=check_edits, slip=slip, harness=harness)
     return script
