@@ -138,13 +138,18 @@ def test_the_environment_names_the_session_for_every_wire_format_and_the_task_fi
     assert "Task: add(2, 3) returns -1" in result.messages[0]["content"]
 
 
-def test_the_teacher_plays_through_the_named_shell_tool(cache_dir) -> None:
+def test_the_teacher_plays_through_the_named_shell_tool_and_submit_command(cache_dir) -> None:
     harness = make_harness(load_config(None, ["harness.name=command", "harness.command=my-agent --yes",
                                               "harness.shell_tool=run", "harness.shell_arg=cmd"]), cache_dir)
     assert isinstance(harness, CommandHarness) and harness.teacher_style == ToolStyle("run", "cmd", None)
     task = builtin_splits(n_train=1, n_heldout=1, seed=0)[0][0]
     turns = teacher_script(task, harness=harness.teacher_style)
     assert all('"name": "run"' in t and '"cmd"' in t for t in turns[:-1]) and "<tool_call>" not in turns[-1]
+
+    submitting = make_harness(load_config(None, ["harness.name=command", "harness.command=mini",
+                                                 "harness.shell_submit=echo SUBMIT"]), cache_dir)
+    last = teacher_script(task, harness=submitting.teacher_style)[-1]
+    assert '"name": "bash"' in last and "echo SUBMIT" in last  # the episode ends with the agent's submit command
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

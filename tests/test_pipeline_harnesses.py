@@ -97,18 +97,31 @@ def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir, names, o
     assert summary["heldout_pass_at_1_before_rl"] == pytest.approx(sum(before) / 3)
 
 
-def test_toy_pipeline_through_a_users_own_agent(tmp_path, cache_dir):
-    """`harness.name: command`: examples/bash_agent.py (the official openai SDK, streamed), which knows nothing of
-    legorl, learns like the adapted CLIs: the teacher plays through its `bash` tool, then SFT, eval, an RL step."""
-    agent = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
+AGENT = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
+MINI_CLI = Path(sys.executable).parent / "mini"
+USER_AGENTS = {
+    # a user's own agent on the official openai SDK, streamed (examples/bash_agent.py)
+    "bash_agent": [f"harness.command={sys.executable} {AGENT}", f"harness.visible_paths=[{AGENT.parent}]",
+                   "harness.env={AGENT_STREAM: '1'}"],
+    # mini-swe-agent's own `mini` CLI, as its users type it: LiteLLM reads OPENAI_API_BASE; its turn limit is off
+    # so that the proxy's (harness.step_limit) decides; the teacher ends with its submit command
+    "mini_cli": [(f"harness.command={MINI_CLI} -y --exit-immediately -m openai/$LEGORL_MODEL -t \"$(cat "
+                  "$LEGORL_PROMPT_FILE)\" -c mini.yaml -c model.cost_tracking=ignore_errors -c agent.step_limit=0"),
+                 "harness.env={MSWEA_CONFIGURED: 'true', LITELLM_LOCAL_MODEL_COST_MAP: 'True'}",
+                 "harness.shell_submit=echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"],
+}
+
+
+@pytest.mark.parametrize("agent", list(USER_AGENTS))
+def test_toy_pipeline_through_a_users_own_agent(agent, tmp_path, cache_dir):
+    """`harness.name: command`: an agent legorl has no adapter for, given by its command line, learns like the
+    adapted CLIs: the teacher plays through its `bash` tool, then SFT, eval, an RL step, every call token-exact."""
     cfg = load_config(None, [
         f"run.cache_dir={cache_dir}", "run.steps=1", "model.hidden_size=64", "model.num_layers=2",
-        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.name=command",
-        f"harness.command={sys.executable} {agent}", f"harness.visible_paths=[{agent.parent}]",
-        "harness.env={AGENT_STREAM: '1'}", "harness.step_limit=4",
-        "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1", "rollout.group_size=2",
-        "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "sft.batch_sequences=1", "eval.before_training=true",
-        "eval.after_training=true", "monitor.dashboard=false",
+        "model.intermediate_size=128", "sampling.max_tokens=48", "harness.name=command", *USER_AGENTS[agent],
+        "harness.step_limit=4", "tasks.n_train=2", "tasks.n_heldout=1", "rollout.tasks_per_step=1",
+        "rollout.group_size=2", "sft.enabled=true", "sft.demos=2", "sft.epochs=1", "sft.batch_sequences=1",
+        "eval.before_training=true", "eval.after_training=true", "monitor.dashboard=false",
     ])
     summary = asyncio.run(run_job(cfg, tmp_path))
     assert summary["sft"]["sft/demos_resolved"] == 2, summary  # the teacher solved both through the agent's tool
@@ -116,8 +129,8 @@ def test_toy_pipeline_through_a_users_own_agent(tmp_path, cache_dir):
     store = Store(tmp_path / "store.sqlite")
     for demo in store.rollouts(split="demo"):
         calls = store.calls_for(demo.id)
-        assert {c.wire_format for c in calls} == {"openai_chat"} and all(c.request.get("stream") for c in calls)
-        assert [t.name for c in calls for t in c.tool_calls] == ["bash", "bash"]
+        assert {c.wire_format for c in calls} == {"openai_chat"}
+        assert [t.name for c in calls for t in c.tool_calls][:2] == ["bash", "bash"]  # read, fix (mini: submit)
         assert [c.parent_index for c in calls[1:]] == [c.index for c in calls[:-1]]
     assert all(r.outcome is not None and r.harness == "command" for r in store.rollouts(split="train"))
     tok = load_tokenizer(tmp_path / "tokenizer")

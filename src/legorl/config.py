@@ -240,6 +240,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "command": {"command"},
     "shell_tool": {"command"},
     "shell_arg": {"command"},
+    "shell_submit": {"command"},
     "side_calls": {"command"},
     "env": {"command"},
     "visible_paths": {"command"},
@@ -281,12 +282,14 @@ class HarnessConfig(_Section):
     # openhands: the SDK's per-tool parameters, e.g. {terminal: {no_change_timeout_seconds: 10}}
     tool_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # command (any agent's command line, run in /workspace inside the sandbox; docs/harnesses/command.md): the
-    # command line, its shell tool and that tool's command argument (the scripted teacher plays through them),
+    # command line, its shell tool, that tool's command argument and the agent's submit command if it has one
+    # (the scripted teacher plays through them; None: a reply calling no tool ends the episode),
     # which requests are side calls (without_tools: a request declaring no tools; none: no request), more
     # environment variables, and host paths the sandbox shows read-only (the agent's own files)
     command: str | None = None
     shell_tool: str = "bash"
     shell_arg: str = "command"
+    shell_submit: str | None = None
     side_calls: Literal["without_tools", "none"] = "without_tools"
     env: dict[str, str] = Field(default_factory=dict)
     visible_paths: list[str] = Field(default_factory=list)

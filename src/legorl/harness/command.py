@@ -19,7 +19,8 @@ private /tmp, so the agent's own state files stay in the episode. Exit status 0 
 agent_crash, masked); the proxy session enforces `harness.step_limit` as for every CLI. A request declaring no
 tools is a side call (titles, summaries, checks) unless `side_calls: none`. The scripted teacher plays its
 demonstrations through `shell_tool`, the agent's own shell tool (name and command argument), which the
-agent must declare in its requests.
+agent must declare in its requests, and ends them with `shell_submit` (an agent's submit command, e.g.
+mini-swe-agent's) or, without one, with a reply that calls no tool.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class CommandHarness:
     command: str
     shell_tool: str = "bash"  # the agent's shell tool, played by the scripted teacher
     shell_arg: str = "command"  # that tool's command argument
+    shell_submit: str | None = None  # the command that ends the agent's episode; None: a reply calling no tool
     side_calls: Literal["without_tools", "none"] = "without_tools"
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
     env: dict[str, str] | None = None  # more variables for the command (a value replaces legorl's)
@@ -64,7 +66,7 @@ class CommandHarness:
 
     @property
     def teacher_style(self) -> ToolStyle:
-        return ToolStyle(self.shell_tool, self.shell_arg, None)
+        return ToolStyle(self.shell_tool, self.shell_arg, self.shell_submit)
 
     async def start(self) -> None:
         return None  # the command runs inside the sandbox; a missing program is the first episode's error
