@@ -87,12 +87,12 @@ setup-sandbox-image:
 	$(call apt_need,podman:podman runc:runc mmdebstrap:mmdebstrap docker:docker.io)
 	bash scripts/sandbox-image.sh
 
-# make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|mixed|published: the same job through another
-# harness, or one policy through three (configs/demo-mixed.yaml; published: OpenHands, OpenCode and Claude Code); the CLIs come from npm, OpenHands from PyPI
+# make demo HARNESS=claude-code|codex|opencode|openhands|gemini-cli|qwen-code|command|mixed|published: the same job through
+# another harness (command: examples/bash_agent.py by its command line), or one policy through three (configs/demo-mixed.yaml; published: OpenHands, OpenCode and Claude Code); the CLIs come from npm, OpenHands from PyPI
 # make demo MODEL=smollm2: the same job with a pretrained model (configs/demo-smollm2.yaml, docs/models.md)
 # make demo ENGINE=vllm: the same job served by a real vLLM (configs/demo-vllm.yaml, docs/engines.md)
-demo: setup $(if $(filter mini-swe-agent,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands) $(if $(MODEL),$(VENV)/.setup-model-$(MODEL)) $(if $(ENGINE),$(VENV)/.setup-$(ENGINE))
-	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS) MODEL=$(MODEL) ENGINE=$(ENGINE): no $(DEMO_CONFIG) (HARNESS: mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, mixed or published; MODEL: smollm2; ENGINE: vllm)" >&2; exit 2; }
+demo: setup $(if $(filter mini-swe-agent command,$(HARNESS)),,$(VENV)/.setup-clis) $(if $(filter openhands published,$(HARNESS)),$(VENV)/.setup-openhands) $(if $(MODEL),$(VENV)/.setup-model-$(MODEL)) $(if $(ENGINE),$(VENV)/.setup-$(ENGINE))
+	@test -f $(DEMO_CONFIG) || { echo "HARNESS=$(HARNESS) MODEL=$(MODEL) ENGINE=$(ENGINE): no $(DEMO_CONFIG) (HARNESS: mini-swe-agent, claude-code, codex, opencode, openhands, gemini-cli, qwen-code, command, mixed or published; MODEL: smollm2; ENGINE: vllm)" >&2; exit 2; }
 	$(VENV)/bin/legorl train --config $(DEMO_CONFIG) --run-dir $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 

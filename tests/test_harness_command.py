@@ -12,6 +12,7 @@ harness cannot honour.
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import shutil
 import sys
@@ -125,7 +126,8 @@ def test_a_failing_command_is_an_agent_crash_with_its_output(tokenizer, tmp_path
 @needs_bwrap
 def test_the_environment_names_the_session_for_every_wire_format_and_the_task_file(tokenizer, tmp_path):
     names = ["OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
-             "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY", "LEGORL_MODEL", "LEGORL_PROMPT_FILE", "HOME", "EXTRA"]
+             "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY", "LEGORL_MODEL", "LEGORL_PROMPT_FILE", "LEGORL_LAUNCH_DIR",
+             "HOME", "EXTRA"]
     command = " && ".join(f'echo "{n}=${n}"' for n in names) + ' && cat "$LEGORL_PROMPT_FILE"'
     result, session, _, _ = asyncio.run(run_agent(tokenizer, tmp_path, lambda i, ids: "unused", command=command,
                                                   env={"EXTRA": "mine"}, instance_template="Task: {task}"))
@@ -135,6 +137,7 @@ def test_the_environment_names_the_session_for_every_wire_format_and_the_task_fi
     assert out["OPENAI_BASE_URL"] == out["OPENAI_API_BASE"] == relay + "/v1" and out["GOOGLE_GEMINI_BASE_URL"] == relay
     assert out["OPENAI_API_KEY"] == out["ANTHROPIC_API_KEY"] == out["GEMINI_API_KEY"] == session.token
     assert out["LEGORL_PROMPT_FILE"] == PROMPT_FILE and out["HOME"] == "/tmp" and out["EXTRA"] == "mine"
+    assert out["LEGORL_LAUNCH_DIR"] == os.getcwd()
     assert "Task: add(2, 3) returns -1" in result.messages[0]["content"]
 
 

@@ -10,7 +10,8 @@ the proxy session is in the variables the official SDKs and most CLIs read, one 
 - Anthropic Messages: `ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY`: the relay URL;
 - Gemini: `GOOGLE_GEMINI_BASE_URL`, `GEMINI_API_KEY` (and `GOOGLE_API_KEY`): the relay URL;
 - `LEGORL_BASE_URL` (the relay URL), `LEGORL_API_KEY` and `LEGORL_MODEL` (the served model's name), for
-  a command line or a config file that names them itself.
+  a command line or a config file that names them itself; `LEGORL_LAUNCH_DIR`, the directory legorl was started
+  in, for a command naming files beside the config (relative `visible_paths` are resolved against it too).
 
 The sandbox shows the host's system dirs and runtimes (Python's, the virtualenv's, node's) read-only;
 `harness.visible_paths` adds the agent's own files (a script, a checkout, a config). `HOME` is the sandbox's
@@ -26,7 +27,7 @@ mini-swe-agent's) or, without one, with a reply that calls no tool.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from legorl.harness.base import HarnessResult, HarnessRun, ToolStyle
@@ -51,6 +52,7 @@ class CommandHarness:
     # host paths the sandbox shows read-only at the same place (the agent's program, its config): the sandbox
     # shows only the system dirs and the runtimes (docs/sandbox.md)
     visible_paths: tuple[str, ...] = ()
+    launch_dir: str = field(default="", init=False)  # the directory legorl was started in ($LEGORL_LAUNCH_DIR)
     timeout: float = 3600.0  # the episode's agent_timeout usually ends it sooner
     max_calls: int | None = None  # the proxy session's turn limit
     name: str = "command"
@@ -63,6 +65,7 @@ class CommandHarness:
             if not os.path.exists(path):
                 raise ValueError(f"harness.visible_paths: {path} does not exist on this host")
         self.visible_paths = tuple(os.path.realpath(p) for p in self.visible_paths)
+        self.launch_dir = os.getcwd()
 
     @property
     def teacher_style(self) -> ToolStyle:
@@ -83,7 +86,8 @@ class CommandHarness:
                "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": run.api_key,
                "GOOGLE_GEMINI_BASE_URL": base, "GEMINI_API_KEY": run.api_key, "GOOGLE_API_KEY": run.api_key,
                "LEGORL_BASE_URL": base, "LEGORL_API_KEY": run.api_key, "LEGORL_MODEL": run.model_name,
-               "LEGORL_PROMPT_FILE": PROMPT_FILE, "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb"}
+               "LEGORL_PROMPT_FILE": PROMPT_FILE, "LEGORL_LAUNCH_DIR": self.launch_dir,
+               "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb"}
         return {**env, **(self.env or {})}
 
     async def run(self, run: HarnessRun) -> HarnessResult:
