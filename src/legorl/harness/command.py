@@ -2,7 +2,7 @@
 
 For an agent legorl has no adapter for (an in-house agent, a CLI not in docs/harnesses/): `harness.command`
 is a shell command line run in /workspace inside the sandbox, as the agent's user would type it. The task is
-in a file (`$LEGORL_PROMPT_FILE`: never on the command line, where prompt text could be read as a flag) and
+in a file (`$LEGORL_PROMPT_FILE`; legorl never writes task text into the command line itself) and
 the proxy session is in the variables the official SDKs and most CLIs read, one per wire format:
 
 - Chat Completions and Responses: `OPENAI_BASE_URL` (and `OPENAI_API_BASE`, read by LiteLLM-era tools),
@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from legorl.harness.base import HarnessResult, HarnessRun, ToolStyle
-from legorl.harness.in_sandbox import exec_cli, side_unless_tools, write_files
+from legorl.harness.in_sandbox import DEFAULT_INSTANCE_TEMPLATE, exec_cli, side_unless_tools, write_files
 from legorl.records import MAIN_SESSION
 
 PROMPT_FILE = "/tmp/.legorl/prompt.md"
-DEFAULT_INSTANCE_TEMPLATE = "Fix this issue in the repository in the current directory.\n\n{task}"
 
 
 @dataclass(kw_only=True)
@@ -48,7 +47,7 @@ class CommandHarness:
     shell_submit: str | None = None  # the command that ends the agent's episode; None: a reply calling no tool
     side_calls: Literal["without_tools", "none"] = "without_tools"
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
-    env: dict[str, str] | None = None  # more variables for the command (a value replaces legorl's)
+    env: dict[str, str] = field(default_factory=dict)  # more variables for the command (a value replaces legorl's)
     # host paths the sandbox shows read-only at the same place (the agent's program, its config): the sandbox
     # shows only the system dirs and the runtimes (docs/sandbox.md)
     visible_paths: tuple[str, ...] = ()
@@ -88,7 +87,7 @@ class CommandHarness:
                "LEGORL_BASE_URL": base, "LEGORL_API_KEY": run.api_key, "LEGORL_MODEL": run.model_name,
                "LEGORL_PROMPT_FILE": PROMPT_FILE, "LEGORL_LAUNCH_DIR": self.launch_dir,
                "HOME": "/tmp", "NO_COLOR": "1", "TERM": "dumb"}
-        return {**env, **(self.env or {})}
+        return {**env, **self.env}
 
     async def run(self, run: HarnessRun) -> HarnessResult:
         if not run.relay_base:
