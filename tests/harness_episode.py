@@ -77,6 +77,15 @@ def check_read_edit_check_episode(tokenizer: Any, result: HarnessResult, session
     assert outcome == Outcome.GRADER_ERROR  # i.e. everything up to grading was a valid episode
 
 
+def answering_side_call(tokenizer: Any, agent_script: Any, marker: str, reply: str) -> Any:
+    """`agent_script`, except that a prompt containing `marker` (a side call: a title request) gets `reply`."""
+    def script(i: int, prompt_ids: list[int]) -> str:
+        if marker in tokenizer.decode(prompt_ids, skip_special_tokens=False):
+            return reply
+        return agent_script(i, prompt_ids)
+    return script
+
+
 def check_side_session(tokenizer: Any, calls: list[LLMCall], session: Session, name: str, n_main: int,
                        ) -> list[LLMCall]:
     """A harness's side calls went to side session `name`: declaring no tools, not counted as the agent's turns,

@@ -19,7 +19,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, check_read_edit_check_episode, check_side_session, run_episode, tool_names
+from harness_episode import (
+    CALC,
+    answering_side_call,
+    check_read_edit_check_episode,
+    check_side_session,
+    run_episode,
+    tool_names,
+)
 
 from legorl.config import ConfigError, load_config
 from legorl.harness.base import HarnessRun, ToolStyle
@@ -78,12 +85,7 @@ def test_a_users_agent_plays_an_episode_through_its_own_command_line(tokenizer, 
 @needs_bwrap
 def test_a_request_without_tools_is_a_side_session_unless_side_calls_none(tokenizer, tmp_path):
     seen: list[str] = []
-    agent_script = make_script(tokenizer, seen)
-
-    def script(i: int, prompt_ids: list[int]) -> str:
-        if "five-word title" in tokenizer.decode(prompt_ids, skip_special_tokens=False):
-            return "Fix add in calc"
-        return agent_script(i, prompt_ids)
+    script = answering_side_call(tokenizer, make_script(tokenizer, seen), "five-word title", "Fix add in calc")
 
     result, session, calls, calc = asyncio.run(run_agent(tokenizer, tmp_path / "side", script,
                                                          env={"AGENT_TITLE": "1"}))

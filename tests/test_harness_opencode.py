@@ -15,7 +15,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness_episode import CALC, check_read_edit_check_episode, check_side_session, run_episode, tool_names
+from harness_episode import (
+    CALC,
+    answering_side_call,
+    check_read_edit_check_episode,
+    check_side_session,
+    run_episode,
+    tool_names,
+)
 
 from legorl.harness.base import HarnessRun
 from legorl.harness.in_sandbox import NPM_BIN
@@ -70,12 +77,7 @@ def test_opencode_plays_an_episode_through_each_provider_format(tokenizer, tmp_p
 @needs_cli
 def test_its_title_call_when_enabled_is_a_side_session_of_its_own(tokenizer, tmp_path):
     seen: list[str] = []
-    agent_script = make_script(tokenizer, seen)
-
-    def script(i: int, prompt_ids: list[int]) -> str:
-        if "title generator" in tokenizer.decode(prompt_ids, skip_special_tokens=False):
-            return "Fix add"
-        return agent_script(i, prompt_ids)
+    script = answering_side_call(tokenizer, make_script(tokenizer, seen), "title generator", "Fix add")
 
     result, session, calls, calc = asyncio.run(run_opencode(
         tokenizer, tmp_path, script, tools=["bash", "read", "edit"], config={"agent": {"title": {"disable": False}}}))
