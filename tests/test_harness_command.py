@@ -41,8 +41,6 @@ from legorl.tasks import builtin_splits
 AGENT = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
 COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(AGENT))}"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
-RUN = HarnessRun(rollout_id="r", task_text="t", api_base="", api_key="tok", model_name="legorl-policy",
-                 control_socket="", relay_base="http://127.0.0.1:9/s/tok")
 
 
 def make_script(tokenizer, seen: list[str]):
@@ -168,6 +166,13 @@ def test_the_teacher_plays_through_the_named_shell_tool_and_submit_command(cache
 def test_the_config_refuses_what_the_harness_cannot_honour(overrides, message, cache_dir) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):
         make_harness(load_config(None, overrides), cache_dir)
+
+
+def test_without_the_sandbox_relay_it_says_so_and_runs_nothing() -> None:
+    run = HarnessRun(rollout_id="r", task_text="t", api_base="", api_key="tok", model_name="legorl-policy",
+                     control_socket="/nonexistent/control.sock", relay_base="")
+    result = asyncio.run(CommandHarness(command="my-agent").run(run))
+    assert result.exit_status == "exited" and "relay_base is empty" in result.error
 
 
 def test_an_empty_command_is_refused() -> None:
