@@ -126,16 +126,18 @@ def test_a_failing_command_is_an_agent_crash_with_its_output(tokenizer, tmp_path
 @needs_bwrap
 def test_the_environment_names_the_session_for_every_wire_format_and_the_task_file(tokenizer, tmp_path):
     names = ["OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
-             "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY", "LEGORL_MODEL", "LEGORL_PROMPT_FILE", "LEGORL_LAUNCH_DIR",
-             "HOME", "EXTRA"]
+             "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY", "GOOGLE_API_KEY", "LEGORL_BASE_URL", "LEGORL_API_KEY",
+             "LEGORL_MODEL", "LEGORL_PROMPT_FILE", "LEGORL_LAUNCH_DIR", "HOME", "EXTRA"]
     command = " && ".join(f'echo "{n}=${n}"' for n in names) + ' && cat "$LEGORL_PROMPT_FILE"'
     result, session, _, _ = asyncio.run(run_agent(tokenizer, tmp_path, lambda i, ids: "unused", command=command,
                                                   env={"EXTRA": "mine"}, instance_template="Task: {task}"))
     out = dict(line.split("=", 1) for line in result.messages[0]["content"].splitlines() if "=" in line)
     relay = out["ANTHROPIC_BASE_URL"]
     assert relay.startswith("http://127.0.0.1:") and relay.endswith(f"/s/{session.token}")
-    assert out["OPENAI_BASE_URL"] == out["OPENAI_API_BASE"] == relay + "/v1" and out["GOOGLE_GEMINI_BASE_URL"] == relay
-    assert out["OPENAI_API_KEY"] == out["ANTHROPIC_API_KEY"] == out["GEMINI_API_KEY"] == session.token
+    assert out["OPENAI_BASE_URL"] == out["OPENAI_API_BASE"] == relay + "/v1"
+    assert out["GOOGLE_GEMINI_BASE_URL"] == out["LEGORL_BASE_URL"] == relay
+    keys = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "LEGORL_API_KEY")
+    assert {out[k] for k in keys} == {session.token} and out["LEGORL_MODEL"] == "legorl-policy"
     assert out["LEGORL_PROMPT_FILE"] == PROMPT_FILE and out["HOME"] == "/tmp" and out["EXTRA"] == "mine"
     assert out["LEGORL_LAUNCH_DIR"] == os.getcwd()
     assert "Task: add(2, 3) returns -1" in result.messages[0]["content"]
