@@ -124,6 +124,18 @@ def test_a_failing_command_is_an_agent_crash_with_its_output(tokenizer, tmp_path
 
 
 @needs_bwrap
+def test_an_exit_status_of_its_own_turn_limit_is_max_turns(tokenizer, tmp_path):
+    always_bash = lambda i, ids: render_tool_call_text("bash", {"command": "true"})
+    # examples/bash_agent.py exits 1 at its own step limit (AGENT_MAX_STEPS)
+    result, session, calls, _ = asyncio.run(run_agent(tokenizer, tmp_path, always_bash, limit_exit_codes=(1,),
+                                                      env={"AGENT_MAX_STEPS": "2"}))
+    assert result.exit_status == "LimitsExceeded" and "exit 1" in result.error and session.n_calls == 2
+    passing = GraderReport(resolved=True, outcome=Outcome.RESOLVED, reason="")
+    outcome, reason = decide(EpisodeFacts(harness=result, proxy_calls=session.n_calls), calls, passing)
+    assert outcome == Outcome.MAX_TURNS and "not submitted" in reason  # a passing diff is not credited
+
+
+@needs_bwrap
 def test_the_environment_names_the_session_for_every_wire_format_and_the_task_file(tokenizer, tmp_path):
     names = ["OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
              "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY", "GOOGLE_API_KEY", "LEGORL_BASE_URL", "LEGORL_API_KEY",

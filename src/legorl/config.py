@@ -242,6 +242,7 @@ _HARNESS_ONLY_KEYS: dict[str, set[str]] = {
     "shell_arg": {"command"},
     "shell_submit": {"command"},
     "side_calls": {"command"},
+    "limit_exit_codes": {"command"},
     "env": {"command"},
     "visible_paths": {"command"},
 }
@@ -291,6 +292,7 @@ class HarnessConfig(_Section):
     shell_arg: str = "command"
     shell_submit: str | None = None
     side_calls: Literal["without_tools", "none"] = "without_tools"
+    limit_exit_codes: list[int] = Field(default_factory=list)  # the agent's exit statuses for its own turn limit
     env: dict[str, str] = Field(default_factory=dict)
     visible_paths: list[str] = Field(default_factory=list)
     # With a list of harnesses: keys for one of them only, e.g. {codex: {tools: [exec_command]}}.

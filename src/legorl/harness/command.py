@@ -16,8 +16,8 @@ the proxy session is in the variables the official SDKs and most CLIs read, one 
 The sandbox shows the host's system dirs and runtimes (Python's, the virtualenv's, node's) read-only;
 `harness.visible_paths` adds the agent's own files (a script, a checkout, a config). `HOME` is the sandbox's
 private /tmp, so the agent's own state files stay in the episode. Exit status 0 is
-"Submitted" (the agent finished its task), any other an exit whose output tail is the error (the rollout is an
-agent_crash, masked); the proxy session enforces `harness.step_limit` as for every CLI. A request declaring no
+"Submitted" (the agent finished its task), one of `limit_exit_codes` "LimitsExceeded" (its own turn limit: the
+rollout is max_turns), any other an exit whose output tail is the error (the rollout is an agent_crash, masked); the proxy session enforces `harness.step_limit` as for every CLI. A request declaring no
 tools is a side call (titles, summaries, checks) unless `side_calls: none`. The scripted teacher plays its
 demonstrations through `shell_tool`, the agent's own shell tool (name and command argument), which the
 agent must declare in its requests, and ends them with `shell_submit` (an agent's submit command, e.g.
@@ -46,6 +46,7 @@ class CommandHarness:
     shell_arg: str = "command"  # that tool's command argument
     shell_submit: str | None = None  # the command that ends the agent's episode; None: a reply calling no tool
     side_calls: Literal["without_tools", "none"] = "without_tools"
+    limit_exit_codes: tuple[int, ...] = ()  # the agent's exit statuses for "my own turn limit ended me"
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
     env: dict[str, str] = field(default_factory=dict)  # more variables for the command (a value replaces legorl's)
     # host paths the sandbox shows read-only at the same place (the agent's program, its config): the sandbox
@@ -99,5 +100,7 @@ class CommandHarness:
         tail = output[-2000:]
         if rc == 0:
             return HarnessResult(exit_status="Submitted", n_calls=0, messages=[{"role": "assistant", "content": tail}])
+        if rc in self.limit_exit_codes:  # graded and trained like the proxy's turn limit (max_turns)
+            return HarnessResult(exit_status="LimitsExceeded", n_calls=0, error=f"its turn limit (exit {rc}): {tail}")
         return HarnessResult(exit_status="exited", n_calls=0,
                              error=f"harness.command exited with {rc}: {tail}")

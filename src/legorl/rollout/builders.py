@@ -71,7 +71,8 @@ def make_harness(cfg: Config, log_dir: Path, h: HarnessConfig | None = None) -> 
             return QwenCodeHarness(max_calls=h.step_limit, settings=dict(h.settings), **kw)
         if h.name == "command":
             return CommandHarness(command=h.command or "", shell_tool=h.shell_tool, shell_arg=h.shell_arg,
-                                  shell_submit=h.shell_submit, side_calls=h.side_calls, env=dict(h.env),
+                                  shell_submit=h.shell_submit, side_calls=h.side_calls,
+                                  limit_exit_codes=tuple(h.limit_exit_codes), env=dict(h.env),
                                   visible_paths=tuple(h.visible_paths), max_calls=h.step_limit,
                                   timeout=cfg.rollout.agent_timeout, **kw)
     except ValueError as e:  # a switch the harness cannot honour (an unknown tool, a value TOML cannot hold)
