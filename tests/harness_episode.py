@@ -20,6 +20,8 @@ from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.sandbox import BwrapSandbox
 
 CALC = "def add(a, b):\n    return a - b\n"
+# A user's own agent (the official openai SDK, one bash tool), run by harness.name: command
+BASH_AGENT = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
 TASK = "add(2, 3) returns -1; it must return 5."
 
 

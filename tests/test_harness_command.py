@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from harness_episode import (
+    BASH_AGENT,
     CALC,
     answering_side_call,
     check_read_edit_check_episode,
@@ -38,8 +39,7 @@ from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.rollout.teacher import teacher_script
 from legorl.tasks import builtin_splits
 
-AGENT = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
-COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(AGENT))}"
+COMMAND = f"{shlex.quote(sys.executable)} {shlex.quote(str(BASH_AGENT))}"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 
 
@@ -61,7 +61,7 @@ def make_script(tokenizer, seen: list[str]):
 
 async def run_agent(tokenizer, tmp_path: Path, script, **harness_kw):
     harness_kw.setdefault("command", COMMAND)
-    harness_kw.setdefault("visible_paths", (str(AGENT.parent),))
+    harness_kw.setdefault("visible_paths", (str(BASH_AGENT.parent),))
     return await run_episode(CommandHarness(timeout=120, **harness_kw), tokenizer, tmp_path, script)
 
 

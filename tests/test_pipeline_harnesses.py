@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness_episode import BASH_AGENT
 
 from legorl.config import load_config
 from legorl.harness.claude_code import NPM_BIN
@@ -97,11 +98,10 @@ def test_one_policy_learns_through_three_harnesses(tmp_path, cache_dir, names, o
     assert summary["heldout_pass_at_1_before_rl"] == pytest.approx(sum(before) / 3)
 
 
-AGENT = Path(__file__).resolve().parents[1] / "examples" / "bash_agent.py"
 MINI_CLI = Path(sys.executable).parent / "mini"
 USER_AGENTS = {
     # a user's own agent on the official openai SDK, streamed (examples/bash_agent.py)
-    "bash_agent": [f"harness.command={sys.executable} {AGENT}", f"harness.visible_paths=[{AGENT.parent}]",
+    "bash_agent": [f"harness.command={sys.executable} {BASH_AGENT}", f"harness.visible_paths=[{BASH_AGENT.parent}]",
                    "harness.env={AGENT_STREAM: '1'}"],
     # mini-swe-agent's own `mini` CLI, as its users type it: LiteLLM reads OPENAI_API_BASE; its turn limit is off
     # so that the proxy's (harness.step_limit) decides; the teacher ends with its submit command
