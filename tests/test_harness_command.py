@@ -12,6 +12,7 @@ harness cannot honour.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import shutil
@@ -33,8 +34,9 @@ from legorl.config import ConfigError, load_config
 from legorl.harness.base import HarnessRun, ToolStyle
 from legorl.harness.command import PROMPT_FILE, CommandHarness
 from legorl.models import render_tool_call_text
-from legorl.records import MAIN_SESSION, GraderReport, Outcome
+from legorl.records import MAIN_SESSION, GraderReport, Outcome, Rollout
 from legorl.rollout.builders import make_harness
+from legorl.rollout.demo_report import demo_report
 from legorl.rollout.outcomes import EpisodeFacts, decide
 from legorl.rollout.teacher import teacher_script
 from legorl.tasks import builtin_splits
@@ -167,6 +169,21 @@ def test_the_teacher_plays_through_the_named_shell_tool_and_submit_command(cache
                                                  "harness.shell_submit=echo SUBMIT"]), cache_dir)
     last = teacher_script(task, harness=submitting.teacher_style)[-1]
     assert '"name": "bash"' in last and "echo SUBMIT" in last  # the episode ends with the agent's submit command
+
+
+@needs_bwrap
+def test_a_teacher_playing_a_tool_the_agent_lacks_is_named_in_the_demo_report(tokenizer, tmp_path):
+    # harness.shell_tool named wrong: the agent (whose one tool is `bash`) answers with an error, the script goes
+    # on, and the episode ends with nothing changed; its own requests say what the teacher should have called
+    turns = [render_tool_call_text("shell", {"cmd": "sed -i 's/a - b/a + b/' calc.py"}), "Done."]
+    result, _, calls, calc = asyncio.run(run_agent(tokenizer, tmp_path, turns))
+    assert result.exit_status == "Submitted" and calc == CALC
+    assert "bad tool call" in json.dumps(calls[1].request["messages"][-1])  # what the agent answered
+    demo = Rollout(id="r1", step=-1, task_id="t", group_id="g", sample_index=0, harness="command",
+                   outcome=Outcome.UNRESOLVED, outcome_reason="empty patch", calls=calls, split="demo")
+    text = demo_report([demo])
+    assert "0 of 1 resolved" in text and "harness.shell_tool" in text
+    assert "the teacher called the tool `shell`, which the agent does not declare (its tools: bash)" in text
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -53,6 +53,7 @@ from legorl.rollout.builders import (
     make_teacher,
 )
 from legorl.rollout.curriculum import family, pass_counts, prioritized_sample
+from legorl.rollout.demo_report import demo_report
 from legorl.rollout.episode import run_episode
 from legorl.rollout.outcomes import resolve_policies
 from legorl.rollout.scheduler import GroupRunner, RunEpisode
@@ -556,7 +557,7 @@ class Driver:
         seqs = [q for r in demos if r.outcome == Outcome.RESOLVED
                 for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True, untrained=slips.get(r.id, ()))]
         if not seqs:
-            raise RuntimeError("no resolved teacher demonstration to learn from; see the demo rollouts' outcomes")
+            raise RuntimeError(f"no resolved teacher demonstration to learn from ({demo_report(demos)})")
         # A fractional epoch ends part-way through a shuffled pass; any positive epochs make an update.
         batches_per_epoch = -(-len(seqs) // c.batch_sequences)
         total = max(1, round(c.epochs * batches_per_epoch))
@@ -691,6 +692,7 @@ class Driver:
         if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
             with phase("demonstrations"):
                 demos = await self.collect_demos(self.cfg.sft.demos)
+            console.print(demo_report(demos))
             with phase("sft"):
                 summary["sft"] = await self.sft(demos)
                 await self.on_trainer_thread(self.save_checkpoint, "sft")

@@ -1,0 +1,83 @@
+"""What the teacher's demonstrations came to, in words: how many resolved, why the others did not, and the
+one mistake that fails them all without saying so (a teacher calling a tool the agent does not declare).
+
+A teacher plays its demonstrations through the harness's shell tool (`Harness.teacher_style`); for
+`harness.name: command` the user names that tool (`harness.shell_tool`, `harness.shell_arg`). Named wrong,
+every demonstration fails quietly: the agent answers the unknown call with an error, the teacher's script
+goes on and ends, and each rollout is an empty patch. The requests the agent sent say which tools it has.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from legorl.records import Outcome, Rollout
+
+REASON_CHARS = 160  # of each failure reason quoted
+
+
+def declared_tools(body: dict[str, Any]) -> dict[str, set[str]]:
+    """The tools a request declares, each with its parameter names, in any of the four wire formats
+    (Chat Completions `function`, Responses and Messages at the top level, Gemini `functionDeclarations`)."""
+    found: dict[str, set[str]] = {}
+
+    def add(name: Any, schema: Any) -> None:
+        if isinstance(name, str):
+            props = schema.get("properties") if isinstance(schema, dict) else None
+            found[name] = set(props) if isinstance(props, dict) else set()
+
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function")
+        if isinstance(fn, dict):
+            add(fn.get("name"), fn.get("parameters"))
+        elif "name" in tool:
+            add(tool["name"], tool.get("parameters", tool.get("input_schema")))
+        for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
+            if isinstance(decl, dict):
+                add(decl.get("name"), decl.get("parameters", decl.get("parametersJsonSchema")))
+    return found
+
+
+def undeclared_calls(demos: list[Rollout]) -> list[str]:
+    """Each distinct tool call (or argument) of a teacher that the agent's own request did not declare."""
+    problems: dict[str, None] = {}  # ordered, distinct
+    for call in (c for r in demos for c in r.calls):
+        declared = declared_tools(call.request)
+        if not declared:  # a request without tools: nothing to check against
+            continue
+        names = ", ".join(sorted(declared))
+        for tc in call.tool_calls:
+            if tc.name not in declared:
+                problems[f"the teacher called the tool `{tc.name}`, which the agent does not declare "
+                         f"(its tools: {names})"] = None
+                continue
+            try:
+                args = json.loads(tc.arguments)
+            except ValueError:
+                continue
+            params = declared[tc.name]
+            for key in args if isinstance(args, dict) and params else ():
+                if key not in params:
+                    problems[f"the teacher called `{tc.name}` with the argument `{key}`, which that tool does not "
+                             f"declare (its arguments: {', '.join(sorted(params))})"] = None
+    return list(problems)
+
+
+def demo_report(demos: list[Rollout]) -> str:
+    """One paragraph: resolved of total, the commonest reasons for the rest, and any undeclared teacher call."""
+    resolved = sum(r.outcome == Outcome.RESOLVED for r in demos)
+    text = f"teacher demonstrations: {resolved} of {len(demos)} resolved"
+    failed = Counter(f"{r.outcome.value if r.outcome else 'no outcome'}: {r.outcome_reason[:REASON_CHARS]}"
+                     for r in demos if r.outcome != Outcome.RESOLVED)
+    if failed:
+        text += "; not resolved: " + "; ".join(f"{n} x {why}" for why, n in failed.most_common(3))
+    mismatches = undeclared_calls(demos)
+    if mismatches:
+        text += (". " + "; ".join(mismatches) + ". The teacher plays the harness's own shell tool: for "
+                 "harness.name: command, set harness.shell_tool and harness.shell_arg to the agent's "
+                 "(docs/harnesses/command.md)")
+    return text
