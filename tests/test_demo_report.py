@@ -64,3 +64,11 @@ def test_a_teacher_calling_a_tool_or_an_argument_the_agent_lacks_is_named_with_t
     ]  # each once, in order; a request without tools (a side call) checks nothing
     text = demo_report([wrong_tool])
     assert "0 of 1 resolved" in text and "`shell`" in text and "harness.shell_tool and harness.shell_arg" in text
+    upstream = demo_report([wrong_tool], scripted=False)  # a model's own wrong call: no config to fix
+    assert "`shell`" in upstream and "shell_tool" not in upstream
+
+
+def test_an_upstream_teachers_many_wrong_calls_are_shown_a_few() -> None:
+    wrong = demo(Outcome.UNRESOLVED, "empty patch", calls=tuple((f"tool{i}", {"command": "x"}) for i in range(5)))
+    text = demo_report([wrong], scripted=False)
+    assert "`tool0`" in text and "`tool2`" in text and "`tool3`" not in text and "(and 2 more)" in text

@@ -557,7 +557,8 @@ class Driver:
         seqs = [q for r in demos if r.outcome == Outcome.RESOLVED
                 for q in build_sequences(r.id, r.calls, 1.0, include_unsampled=True, untrained=slips.get(r.id, ()))]
         if not seqs:
-            raise RuntimeError(f"no resolved teacher demonstration to learn from ({demo_report(demos)})")
+            raise RuntimeError("no resolved teacher demonstration to learn from "
+                               f"({demo_report(demos, scripted=c.teacher == 'scripted')})")
         # A fractional epoch ends part-way through a shuffled pass; any positive epochs make an update.
         batches_per_epoch = -(-len(seqs) // c.batch_sequences)
         total = max(1, round(c.epochs * batches_per_epoch))
@@ -692,7 +693,7 @@ class Driver:
         if self.cfg.sft.enabled and self.cfg.sft.demos and "sft" not in summary:
             with phase("demonstrations"):
                 demos = await self.collect_demos(self.cfg.sft.demos)
-            console.print(demo_report(demos))
+            console.print(demo_report(demos, scripted=self.cfg.sft.teacher == "scripted"))
             with phase("sft"):
                 summary["sft"] = await self.sft(demos)
                 await self.on_trainer_thread(self.save_checkpoint, "sft")

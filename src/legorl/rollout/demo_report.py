@@ -16,6 +16,7 @@ from typing import Any
 from legorl.records import Outcome, Rollout
 
 REASON_CHARS = 160  # of each failure reason quoted
+MISMATCHES_SHOWN = 3  # an upstream model may call many wrong things: the first few say enough
 
 
 def declared_tools(body: dict[str, Any]) -> dict[str, set[str]]:
@@ -67,8 +68,9 @@ def undeclared_calls(demos: list[Rollout]) -> list[str]:
     return list(problems)
 
 
-def demo_report(demos: list[Rollout]) -> str:
-    """One paragraph: resolved of total, the commonest reasons for the rest, and any undeclared teacher call."""
+def demo_report(demos: list[Rollout], scripted: bool = True) -> str:
+    """One paragraph: resolved of total, the commonest reasons for the rest, and the first undeclared teacher calls
+    (`scripted`: the teacher is the scripted one, whose tool the config names, so the fix is the config's)."""
     resolved = sum(r.outcome == Outcome.RESOLVED for r in demos)
     text = f"teacher demonstrations: {resolved} of {len(demos)} resolved"
     failed = Counter(f"{r.outcome.value if r.outcome else 'no outcome'}: {r.outcome_reason[:REASON_CHARS]}"
@@ -77,7 +79,10 @@ def demo_report(demos: list[Rollout]) -> str:
         text += "; not resolved: " + "; ".join(f"{n} x {why}" for why, n in failed.most_common(3))
     mismatches = undeclared_calls(demos)
     if mismatches:
-        text += (". " + "; ".join(mismatches) + ". The teacher plays the harness's own shell tool: for "
-                 "harness.name: command, set harness.shell_tool and harness.shell_arg to the agent's "
-                 "(docs/harnesses/command.md)")
+        text += ". " + "; ".join(mismatches[:MISMATCHES_SHOWN])
+        if len(mismatches) > MISMATCHES_SHOWN:
+            text += f" (and {len(mismatches) - MISMATCHES_SHOWN} more)"
+        if scripted:
+            text += (". The teacher plays the harness's own shell tool: for harness.name: command, set "
+                     "harness.shell_tool and harness.shell_arg to the agent's (docs/harnesses/command.md)")
     return text
