@@ -12,7 +12,7 @@ from legorl.records import LLMCall, Outcome, Rollout, ToolCall
 from legorl.rollout.demo_report import declared_tools, demo_report, undeclared_calls
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}}
-REQUESTS = {  # the same single `bash` tool in each wire format
+REQUESTS = {  # the same single `bash` tool in each wire format (a case name, then its wire format's name)
     "openai_chat": {"tools": [{"type": "function", "function": {"name": "bash", "parameters": SCHEMA}}]},
     "openai_responses": {"tools": [{"type": "function", "name": "bash", "parameters": SCHEMA}]},
     "anthropic_messages": {"tools": [{"name": "bash", "input_schema": SCHEMA}]},
@@ -22,21 +22,28 @@ REQUESTS = {  # the same single `bash` tool in each wire format
 }
 
 
-@pytest.mark.parametrize("wire", list(REQUESTS))
-def test_the_declared_tools_are_read_from_every_wire_format(wire) -> None:
-    assert declared_tools(REQUESTS[wire]) == {"bash": {"command"}}
+def call_with(request: dict, wire_format: str = "openai_chat", tool_calls: list[ToolCall] | None = None,
+              index: int = 0) -> LLMCall:
+    return LLMCall(rollout_id="r", index=index, wire_format=wire_format, request=request, prompt_ids=[1],
+                   completion_ids=[2], completion_logprobs=[0.0], finish_reason="stop", weight_version=0,
+                   completion_text="", tool_calls=tool_calls or [])
+
+
+@pytest.mark.parametrize("case", list(REQUESTS))
+def test_the_declared_tools_are_read_from_every_wire_format(case) -> None:
+    wire_format = case.removesuffix("_snake_json_schema")
+    assert declared_tools(call_with(REQUESTS[case], wire_format)) == {"bash": {"command"}}
 
 
 def test_a_request_without_tools_declares_none() -> None:
-    assert declared_tools({"messages": []}) == {} and declared_tools({"tools": ["junk", {"type": "web_search"}]}) == {}
+    assert declared_tools(call_with({"messages": []})) == {}
+    assert declared_tools(call_with({"tools": ["junk", {"type": "web_search"}]})) == {}
 
 
 def demo(outcome: Outcome, reason: str = "", calls: tuple[tuple[str, dict], ...] = (),
          request: dict | None = None) -> Rollout:
-    llm_calls = [LLMCall(rollout_id="r", index=i, wire_format="openai_chat",
-                         request=REQUESTS["openai_chat"] if request is None else request, prompt_ids=[1],
-                         completion_ids=[2], completion_logprobs=[0.0], finish_reason="stop", weight_version=0,
-                         completion_text="", tool_calls=[ToolCall(id=f"c{i}", name=name, arguments=json.dumps(args))])
+    llm_calls = [call_with(REQUESTS["openai_chat"] if request is None else request, index=i,
+                           tool_calls=[ToolCall(id=f"c{i}", name=name, arguments=json.dumps(args))])
                  for i, (name, args) in enumerate(calls)]
     return Rollout(id="r", step=-1, task_id="t", group_id="g", sample_index=0, harness="command", outcome=outcome,
                    outcome_reason=reason, calls=llm_calls, split="demo")

@@ -14,14 +14,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from legorl.proxy.anthropic_messages import AnthropicMessages
+from legorl.proxy.formats import FORMATS
 from legorl.proxy.gemini import Gemini
 from legorl.proxy.openai_chat import OpenAIChat
 from legorl.proxy.openai_responses import OpenAIResponses
 from legorl.proxy.wire import WireFormat
 from legorl.records import ToolCall
-
-FORMATS: dict[str, type[WireFormat]] = {f.name: f for f in (OpenAIChat, OpenAIResponses, AnthropicMessages, Gemini)}
 
 
 @dataclass

@@ -82,6 +82,10 @@ class AnthropicMessages(WireFormat):
         return [msg for i, m in enumerate(items) for msg in _message(m, i, p)]
 
     @staticmethod
+    def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return _tools(body.get("tools"), Problems(ANTHROPIC)) or []
+
+    @staticmethod
     def failed_tool_results(items: list[Any]) -> set[str]:
         """`tool_result` blocks with `is_error: true` (not rendered: the template has no such flag)."""
         return {b["tool_use_id"] for m in items if isinstance(m, dict) and isinstance(m.get("content"), list)

@@ -98,6 +98,10 @@ class Gemini(WireFormat):
         return contents_messages(items, p or Problems(GEMINI))
 
     @staticmethod
+    def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return tools(get(body, "tools"), Problems(GEMINI)) or []
+
+    @staticmethod
     def failed_tool_results(items: list[Any]) -> set[str]:
         """Tool results whose response is `{"error": ...}` (Google's convention for a failed call)."""
         failed: set[str] = set()

@@ -68,6 +68,10 @@ class OpenAIChat(WireFormat):
         p = p or Problems()
         return [msg for i, m in enumerate(items) if (msg := _message(m, i, p)) is not None]
 
+    @staticmethod
+    def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return _tools(body, Problems()) or []
+
     # ---- answers --------------------------------------------------------------------------------
     def _logprobs(self, choice: Choice, req: ChatRequest) -> dict[str, Any] | None:
         return {"content": self.token_entries(choice, req), "refusal": None} if req.logprobs else None

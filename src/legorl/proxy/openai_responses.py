@@ -87,6 +87,10 @@ class OpenAIResponses(WireFormat):
     def messages(items: list[Any], p: Problems | None = None) -> list[dict[str, Any]]:
         return _items(items, p or Problems())
 
+    @staticmethod
+    def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return _tools(body.get("tools"), Problems())[0] or []
+
     def resolve_previous(self, req: ChatRequest, responses: dict[str, list[dict[str, Any]]]) -> None:
         """Prepend the conversation of `previous_response_id` (answered earlier in this session)."""
         prev = req.extra.get("previous_response_id")

@@ -99,6 +99,12 @@ class WireFormat:
         raise NotImplementedError
 
     @staticmethod
+    def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The tools the body offers the model, as canonical function tools (the parse's own reading, malformed
+        ones passed over)."""
+        raise NotImplementedError
+
+    @staticmethod
     def failed_tool_results(items: list[Any]) -> set[str]:
         """Tool-call ids whose results the harness marked as errors (a flag the model does not see)."""
         return set()

@@ -4,50 +4,35 @@ one mistake that fails them all without saying so (a teacher calling a tool the 
 A teacher plays its demonstrations through the harness's shell tool (`Harness.teacher_style`); for
 `harness.name: command` the user names that tool (`harness.shell_tool`, `harness.shell_arg`). Named wrong,
 every demonstration fails quietly: the agent answers the unknown call with an error, the teacher's script
-goes on and ends, and each rollout is an empty patch. The requests the agent sent say which tools it has.
+goes on and ends, and each rollout is an empty patch. The requests the agent sent say which tools it has
+(read back with the proxy's parser for their wire format, as the dashboard reads them).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
 
-from legorl.records import Outcome, Rollout
+from legorl.proxy.formats import FORMATS
+from legorl.records import LLMCall, Outcome, Rollout
 
 REASON_CHARS = 160  # of each failure reason quoted
 MISMATCHES_SHOWN = 3  # an upstream model may call many wrong things: the first few say enough
 
 
-def declared_tools(body: dict[str, Any]) -> dict[str, set[str]]:
-    """The tools a request declares, each with its parameter names, in any of the four wire formats
-    (Chat Completions `function`, Responses and Messages at the top level, Gemini `functionDeclarations`)."""
-    found: dict[str, set[str]] = {}
-
-    def add(name: Any, schema: Any) -> None:
-        if isinstance(name, str):
-            props = schema.get("properties") if isinstance(schema, dict) else None
-            found[name] = set(props) if isinstance(props, dict) else set()
-
-    for tool in body.get("tools") or []:
-        if not isinstance(tool, dict):
-            continue
-        fn = tool.get("function")
-        if isinstance(fn, dict):
-            add(fn.get("name"), fn.get("parameters"))
-        elif "name" in tool:
-            add(tool["name"], tool.get("parameters", tool.get("input_schema")))
-        for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
-            if isinstance(decl, dict):
-                add(decl.get("name"), decl.get("parameters", decl.get("parametersJsonSchema")))
-    return found
+def declared_tools(call: LLMCall) -> dict[str, set[str]]:
+    """The tools a call's request offered the model, each with its parameter names, read by the proxy's own
+    parser for the call's wire format."""
+    fmt = FORMATS.get(call.wire_format)
+    offered = fmt.offered_tools(call.request) if fmt is not None else []
+    return {t["function"]["name"]: set(t["function"]["parameters"].get("properties") or ()) for t in offered}
 
 
 def undeclared_calls(demos: list[Rollout]) -> list[str]:
     """Each distinct tool call (or argument) of a teacher that the agent's own request did not declare."""
     problems: dict[str, None] = {}  # ordered, distinct
     for call in (c for r in demos for c in r.calls):
-        declared = declared_tools(call.request)
+        declared = declared_tools(call)
         if not declared:  # a request without tools: nothing to check against
             continue
         names = ", ".join(sorted(declared))
